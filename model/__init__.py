@@ -1,0 +1,1 @@
+"""Pure-PyTorch model code: LLaMA and OPT forwards over a paged KV pool."""

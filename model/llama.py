@@ -1,0 +1,116 @@
+"""The LLaMA family (LLaMA 2/3, SmolLM2, ...): RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Q/K/V and gate/up projections are fused into one matmul each at load time: on a CPU the
+per-op overhead of a small model is a real share of a decode step.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention import AttentionMeta, paged_attention, write_kv
+from model.config import ModelArgs
+from model.layers import RMSNorm, RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, args: ModelArgs, backend: str):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.attention_bias)
+        self.scale = args.head_dim ** -0.5
+        self.backend = backend
+
+    def forward(self, x, positions, meta: AttentionMeta, kv: torch.Tensor, rope: RotaryEmbedding):
+        # x: [T, hidden]; kv: [2, num_blocks, block_size, H_kv, D] (this layer's slice of the pool)
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rope(q, k, positions)
+        write_kv(kv[0], kv[1], k, v, meta)
+        out = paged_attention(q, kv[0], kv[1], meta, self.scale, self.backend)  # [T, H, D]
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.inter = args.intermediate_size
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, args: ModelArgs, backend: str):
+        super().__init__()
+        self.attn_norm = RMSNorm(args.hidden_size, args.norm_eps)
+        self.attn = LlamaAttention(args, backend)
+        self.mlp_norm = RMSNorm(args.hidden_size, args.norm_eps)
+        self.mlp = LlamaMLP(args)
+
+    def forward(self, x, positions, meta, kv, rope):
+        h = x + self.attn(self.attn_norm(x), positions, meta, kv, rope)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(input_ids, positions, meta, kv) -> hidden [T, hidden]``; ``logits(hidden)``."""
+
+    def __init__(self, args: ModelArgs, backend: str = "sdpa"):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.rope = RotaryEmbedding(args.head_dim, args.max_position, args.rope_theta)
+        self.layers = nn.ModuleList(LlamaBlock(args, backend) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.norm_eps)
+        self.lm_head = None if args.tie_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, meta: AttentionMeta, kv: torch.Tensor) -> torch.Tensor:
+        # kv: the pool [L, 2, num_blocks, block_size, H_kv, D]
+        x = self.embed(input_ids)  # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, meta, kv[i], self.rope)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> float32 logits [N, vocab]."""
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy weights named as in HF's ``LlamaForCausalLM``, fusing q/k/v and gate/up."""
+        own = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
+        if self.lm_head is not None:
+            own["lm_head.weight"] = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+        for i in range(self.args.num_layers):
+            p, o = f"model.layers.{i}.", f"layers.{i}."
+            for suffix in ("weight", "bias"):
+                parts = [sd.get(f"{p}self_attn.{n}_proj.{suffix}") for n in "qkv"]
+                if parts[0] is not None:
+                    own[f"{o}attn.qkv_proj.{suffix}"] = torch.cat(parts)
+                    own[f"{o}attn.o_proj.{suffix}"] = sd[f"{p}self_attn.o_proj.{suffix}"]
+                gate = sd.get(f"{p}mlp.gate_proj.{suffix}")
+                if gate is not None:
+                    own[f"{o}mlp.gate_up_proj.{suffix}"] = torch.cat([gate, sd[f"{p}mlp.up_proj.{suffix}"]])
+                    own[f"{o}mlp.down_proj.{suffix}"] = sd[f"{p}mlp.down_proj.{suffix}"]
+            own[f"{o}attn_norm.weight"] = sd[f"{p}input_layernorm.weight"]
+            own[f"{o}mlp_norm.weight"] = sd[f"{p}post_attention_layernorm.weight"]
+        _load_exact(self, own)
+
+
+def _load_exact(module: nn.Module, own: dict[str, torch.Tensor]) -> None:
+    """Load a full state dict; every parameter must be given (buffers are rebuilt, not loaded)."""
+    missing, unexpected = module.load_state_dict(own, strict=False)
+    missing = [m for m in missing if m in dict(module.named_parameters())]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
