@@ -1,0 +1,329 @@
+"""The decode instance's local scheduler: continuous batching with admission policies (§3.4).
+
+Life of a request here::
+
+    allocate_incoming ─KV copy─► add_request ─► waiting ─admit─► running ─► finished
+                                                  ▲                │
+                                                  └─── preempt ────┘  (recompute | swap)
+
+Every running request advances one token per step: it enters a step with ``num_computed_tokens
+== num_tokens - 1`` (the last sampled token's KV is not in the cache yet) and leaves it caught
+up, plus one sampled token. A recomputed request (blocks freed, ``num_computed_tokens = 0``)
+comes back as one prefill of prompt + output in a single step; a swapped one gets new device
+blocks and the runner copies its KV back from host.
+
+The policies differ only in ``admits``: ``greedy`` (vLLM: admit while blocks are free),
+``reserve-static`` and ``reserve-dynamic`` (admit from predicted lengths, TetriInfer §3.4).
+Both reserve policies use ``predicted_max_output``, the safe upper bound of a prediction.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Hashable, Iterable, Mapping, Optional
+
+from scheduling.block_manager import BlockManager, blocks_needed
+from scheduling.clock import Clock, MonotonicClock
+from scheduling.dispatch import DecodeLoad, is_heavy, predicted_max_output, predicted_total_blocks
+from scheduling.request import Request, Status
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    max_running: int = 256  # batch size cap
+    preemption: str = "recompute"  # recompute | swap
+    num_swap_blocks: int = 0  # host blocks for swap; when they run out, swap recomputes
+    heavy_threshold: int = 128  # for load(): heavy decodes, as dispatch counts them
+
+    def __post_init__(self):
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        if self.max_running < 1 or self.num_swap_blocks < 0:
+            raise ValueError(f"bad decode config {self}")
+
+
+@dataclass(frozen=True)
+class DecodeSchedule:
+    """One decode step. The runner copies ``swap_out`` (device, host) pairs first, then
+    ``swap_in`` (host, device) pairs, then runs the forward: blocks freed by a swap-out may be
+    handed out again in the same step."""
+
+    num_scheduled_tokens: Mapping[str, int]  # batch order; 1, or prompt + output when recomputing
+    num_computed_tokens: Mapping[str, int]  # each request's first position in this step
+    block_ids: Mapping[str, tuple[int, ...]]  # block tables after this step's growth
+    preempted_ids: tuple[str, ...] = ()
+    swap_out: tuple[tuple[int, int], ...] = ()
+    swap_in: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self):
+        assert self.num_scheduled_tokens.keys() == self.block_ids.keys()
+        assert not set(self.preempted_ids) & self.num_scheduled_tokens.keys()
+
+
+class DecodeScheduler:
+    """Greedy admission (vLLM); subclasses override ``admits``.
+
+    Public: ``allocate_incoming``, ``add_request``, ``schedule``, ``update``, ``abort``, ``load``,
+    ``running_ids`` / ``waiting_ids`` / ``swapped_ids``, ``has_work``.
+    """
+
+    name = "greedy"
+
+    def __init__(self, blocks: BlockManager, config: DecodeConfig = DecodeConfig(),
+                 clock: Optional[Clock] = None):
+        self.blocks = blocks
+        self.config = config
+        self.clock = clock or MonotonicClock()
+        self.host = BlockManager(max(1, config.num_swap_blocks), blocks.block_size)
+        self._requests: dict[str, Request] = {}
+        self._incoming: dict[str, list[int]] = {}  # blocks reserved for KV still on the wire
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # admission order: the newest is preempted first
+        self._swapped: dict[str, list[int]] = {}  # host blocks of swapped-out requests
+        self._inflight: Optional[DecodeSchedule] = None
+        self.num_forced_admissions = 0  # admitted against the policy into an empty batch
+
+    # --- arrival --------------------------------------------------------------------------
+    def allocate_incoming(self, request: Request) -> Optional[list[int]]:
+        """Blocks for the request's prompt KV before it is sent; None means "not now", retry later.
+
+        Refused while a preempted request waits for blocks (it must not starve behind new
+        arrivals) and when the blocks would eat into what the policy reserves for the batch.
+        ``request.block_ids`` is left alone (the prefill side still owns it until it releases);
+        ``add_request`` attaches these blocks once the KV has arrived.
+        """
+        assert request.request_id not in self._requests, f"duplicate {request.request_id}"
+        n = blocks_needed(request.num_computed_tokens, self.blocks.block_size)
+        if any(not r.block_ids for r in self._waiting):
+            return None
+        if n > self.blocks.num_free - self.reserved_blocks():
+            return None
+        self._requests[request.request_id] = request
+        self._incoming[request.request_id] = self.blocks.allocate(n)
+        return list(self._incoming[request.request_id])
+
+    def add_request(self, request: Request) -> None:
+        """The prompt KV has fully arrived; the request carries its first sampled token."""
+        request.block_ids = self._incoming.pop(request.request_id)
+        assert request.num_computed_tokens == request.num_prompt_tokens and request.output_token_ids
+        request.status = Status.WAITING
+        self._waiting.append(request)
+
+    # --- policy hooks ---------------------------------------------------------------------
+    def reserved_blocks(self) -> int:
+        """Free blocks the policy keeps for the running batch's growth. Greedy: none."""
+        return 0
+
+    def admits(self, request: Request) -> bool:
+        """Whether the policy lets ``request`` join the batch now (blocks for its next step are
+        checked separately). Greedy: always."""
+        return True
+
+    # --- schedule -------------------------------------------------------------------------
+    def schedule(self) -> DecodeSchedule:
+        """Grow running requests (preempting the newest when blocks run out), then admit."""
+        assert self._inflight is None, "update the previous step first"
+        preempted: list[str] = []
+        swap_out: list[tuple[int, int]] = []
+        for request in list(self._running):
+            if request.request_id not in preempted:
+                self._grow_or_preempt(request, preempted, swap_out)
+        swap_in = [] if preempted else self._admit()  # no churn: nothing joins a step that preempts
+        schedule = DecodeSchedule(
+            num_scheduled_tokens=MappingProxyType(
+                {r.request_id: r.num_uncomputed_tokens for r in self._running}),
+            num_computed_tokens=MappingProxyType(
+                {r.request_id: r.num_computed_tokens for r in self._running}),
+            block_ids=MappingProxyType({r.request_id: tuple(r.block_ids) for r in self._running}),
+            preempted_ids=tuple(preempted), swap_out=tuple(swap_out), swap_in=tuple(swap_in))
+        if schedule.num_scheduled_tokens:
+            self._inflight = schedule
+        return schedule
+
+    def _grow_or_preempt(self, request: Request, preempted: list, swap_out: list) -> None:
+        while True:
+            if self._missing(request) <= self.blocks.num_free:
+                self.blocks.grow(request.block_ids, request.num_tokens)
+                return
+            victim = self._running[-1]
+            self._preempt(victim, swap_out)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return
+
+    def _preempt(self, request: Request, swap_out: list) -> None:
+        self._running.remove(request)
+        request.status = Status.PREEMPTED
+        request.num_preemptions += 1
+        n = len(request.block_ids)
+        swap = self.config.preemption == "swap" and self.config.num_swap_blocks > 0
+        if swap and self.host.can_allocate(n):
+            host_ids = self.host.allocate(n)
+            swap_out.extend(zip(request.block_ids, host_ids))
+            self._swapped[request.request_id] = host_ids
+        else:
+            request.num_computed_tokens = 0  # the KV is gone: prompt + output run again
+        self.blocks.free(request.block_ids)
+        request.block_ids = []
+        self._waiting.appendleft(request)  # newest preempted first, so the oldest ends in front
+
+    def _missing(self, request: Request) -> int:
+        """Blocks the request lacks for computing up to its last token (swapped: all of them)."""
+        return blocks_needed(request.num_tokens, self.blocks.block_size) - len(request.block_ids)
+
+    def _admit(self) -> list[tuple[int, int]]:
+        """Admit in queue order. Requests that cannot start now (no blocks) let those holding
+        their KV go first; a request the policy refuses blocks everyone behind it (no
+        starvation), except in an empty batch. An empty batch that the policy would leave
+        empty takes the first request that can start: the batch must make progress."""
+        swap_in: list[tuple[int, int]] = []
+        for request in list(self._waiting):
+            if len(self._running) >= self.config.max_running:
+                break
+            if self._missing(request) > self.blocks.num_free:
+                continue
+            if self.admits(request):
+                self._start(request, swap_in)
+            elif self._running:
+                break
+        if not self._running:
+            free = self.blocks.num_free
+            first = next((r for r in self._waiting if self._missing(r) <= free), None)
+            if first is not None:
+                self.num_forced_admissions += 1
+                self._start(first, swap_in)
+        return swap_in
+
+    def _start(self, request: Request, swap_in: list) -> None:
+        self._waiting.remove(request)
+        host_ids = self._swapped.pop(request.request_id, None)
+        if host_ids is not None:
+            request.block_ids = self.blocks.allocate(len(host_ids))
+            swap_in.extend(zip(host_ids, request.block_ids))
+            self.host.free(host_ids)
+        self.blocks.grow(request.block_ids, request.num_tokens)
+        request.status = Status.RUNNING
+        self._running.append(request)
+
+    # --- update ---------------------------------------------------------------------------
+    def update(self, schedule: DecodeSchedule, sampled: Mapping[str, int],
+               finished_ids: Iterable[str] = ()) -> list[Request]:
+        """The step ran: catch every scheduled request up, append its sampled token, then
+        retire ``finished_ids`` (the caller applied stop rules) and free their blocks."""
+        assert schedule is self._inflight, "update the schedule that is in flight"
+        self._inflight = None
+        now = self.clock.now()
+        for rid, n in schedule.num_scheduled_tokens.items():
+            request = self._requests.get(rid)
+            if request is None:
+                continue  # aborted while the step ran
+            assert request.num_computed_tokens == schedule.num_computed_tokens[rid]
+            request.num_computed_tokens += n
+            assert request.num_computed_tokens == request.num_tokens, rid
+            request.output_token_ids.append(sampled[rid])
+            request.token_times.append(now)
+        done = [self._retire(rid) for rid in finished_ids if rid in self._requests]
+        for request in done:
+            request.status = Status.FINISHED
+            request.times["finish"] = now
+        return done
+
+    def abort(self, request_id: str) -> Optional[Request]:
+        """Drop the request wherever it is (incoming, waiting, running, swapped) and free all."""
+        if request_id not in self._requests:
+            return None
+        request = self._retire(request_id)
+        request.status = Status.FINISHED
+        request.finish_reason = "abort"
+        return request
+
+    def _retire(self, request_id: str) -> Request:
+        request = self._requests.pop(request_id)
+        self.blocks.free(self._incoming.pop(request_id, []))
+        self.host.free(self._swapped.pop(request_id, []))
+        self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
+        self._running = [r for r in self._running if r.request_id != request_id]
+        self.blocks.free(request.block_ids)
+        request.block_ids = []
+        return request
+
+    # --- views ----------------------------------------------------------------------------
+    def load(self, instance_id: Hashable) -> DecodeLoad:
+        """This instance's load for the cluster monitor's broadcast."""
+        heavy = sum(is_heavy(r, self.config.heavy_threshold) for r in self._requests.values())
+        return DecodeLoad(instance_id, self.blocks.num_free, self.blocks.num_blocks,
+                          heavy, len(self._requests) - heavy, self.blocks.block_size)
+
+    @property
+    def running_ids(self) -> list[str]:
+        return [r.request_id for r in self._running]
+
+    @property
+    def waiting_ids(self) -> list[str]:
+        return [r.request_id for r in self._waiting]
+
+    @property
+    def swapped_ids(self) -> list[str]:
+        return list(self._swapped)
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+
+def _blocks_at(request: Request, num_tokens: int, block_size: int) -> int:
+    """Blocks the request holds once it has ``num_tokens`` tokens, never fewer than it holds."""
+    return max(len(request.block_ids), blocks_needed(num_tokens, block_size))
+
+
+def predicted_growth(request: Request, block_size: int) -> int:
+    """Blocks the request is predicted to still need: prompt + predicted output, minus held.
+    A request past its prediction still needs its next step's blocks."""
+    total = max(predicted_total_blocks(request, block_size),
+                blocks_needed(request.num_tokens, block_size))
+    return max(0, total - len(request.block_ids))
+
+
+def predicted_remaining(request: Request) -> int:
+    """Output tokens the request is predicted to still generate (at least one)."""
+    return max(1, predicted_max_output(request) - request.num_output_tokens)
+
+
+class ReserveStaticDecodeScheduler(DecodeScheduler):
+    """Reserve every running request's predicted growth; admit a request only if its own
+    predicted total fits what is left. With right predictions, nothing is ever preempted."""
+
+    name = "reserve-static"
+
+    def reserved_blocks(self) -> int:
+        return sum(predicted_growth(r, self.blocks.block_size) for r in self._running)
+
+    def admits(self, request: Request) -> bool:
+        need = predicted_growth(request, self.blocks.block_size)
+        return need <= self.blocks.num_free - self.reserved_blocks()
+
+
+class ReserveDynamicDecodeScheduler(DecodeScheduler):
+    """Admit a request only if memory lasts until the shortest predicted job of the batch (the
+    request included) finishes: until then everyone grows that many tokens, then blocks return."""
+
+    name = "reserve-dynamic"
+
+    def reserved_blocks(self) -> int:
+        return _need_until_shortest(self._running, self.blocks.block_size)
+
+    def admits(self, request: Request) -> bool:
+        need = _need_until_shortest(self._running + [request], self.blocks.block_size)
+        return need <= self.blocks.num_free
+
+
+def _need_until_shortest(batch: list[Request], block_size: int) -> int:
+    """Blocks the batch grows by until its shortest predicted job finishes."""
+    if not batch:
+        return 0
+    steps = min(predicted_remaining(r) for r in batch)
+    return sum(_blocks_at(r, min(r.num_tokens + steps, r.max_total_tokens()), block_size)
+               - len(r.block_ids) for r in batch)

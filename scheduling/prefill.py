@@ -1,0 +1,273 @@
+"""The prefill instance's local scheduler (TetriInfer §3.3): queues, policy and chunk planning.
+
+Arrivals enter the *raw queue*. Whenever the *scheduled queue* runs empty, the next group of
+up to ``sched_batch`` requests moves over in arrival order and is ordered by the policy (FCFS,
+SJF, LJF) *within that group only*, so a long prompt under SJF waits at most one group.
+
+Prompts from the scheduled queue, in order, are cut into one chunk of exactly ``chunk_size``
+tokens; a prompt may span chunks and several short prompts may share one::
+
+    chunk (chunk_size = 16):  | a[8:12) | b[0:6)  | c[0:3)  | pad x3 |
+                                 a ends    b ends    c goes on next chunk
+
+Contract, vLLM-v1 style: ``plan_chunk()`` returns a frozen ``ChunkPlan`` (``{request_id:
+num_tokens}`` as slices, plus block tables) and allocates the blocks it needs; after the chunk ran,
+``commit(plan, sampled)`` moves each request's ``num_computed_tokens`` on. One plan is in flight
+at a time. Prompts whose last token was computed wait in ``finished_prefills`` with their blocks
+until ``release`` (KV handed to a decode instance) or ``abort``.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping, Optional
+
+from scheduling.block_manager import BlockManager, blocks_needed
+from scheduling.clock import Clock, MonotonicClock
+from scheduling.request import Request, Status
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    chunk_size: int = 512  # tokens per chunk, padding included
+    sched_batch: int = 16  # PrefillSchedBatch: requests ordered together
+    pad: bool = True  # pad every chunk up to chunk_size (fixed-size chunks, as the paper)
+
+    def __post_init__(self):
+        if self.chunk_size < 1 or self.sched_batch < 1:
+            raise ValueError(f"chunk_size and sched_batch must be >= 1, got {self}")
+
+
+@dataclass(frozen=True)
+class ChunkSlice:
+    """Prompt positions ``[start, start + num_tokens)`` of one request inside a chunk."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One chunk: slices in chunk order, then ``num_pad_tokens`` padding slots.
+
+    ``block_ids`` is the full block table of every sliced request after this plan's growth;
+    ``new_block_ids`` the blocks this plan allocated; ``finishing_ids`` the requests whose prompt
+    ends in this chunk (the runner samples their first token).
+    """
+
+    chunk_size: int
+    slices: tuple[ChunkSlice, ...]
+    block_ids: Mapping[str, tuple[int, ...]]
+    new_block_ids: Mapping[str, tuple[int, ...]]
+    finishing_ids: tuple[str, ...]
+    num_pad_tokens: int
+
+    def __post_init__(self):
+        assert self.num_real_tokens + self.num_pad_tokens <= self.chunk_size, self
+        assert len({s.request_id for s in self.slices}) == len(self.slices), "one slice a request"
+
+    @property
+    def num_real_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.slices)
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        """``{request_id: num_tokens}`` in chunk order."""
+        return {s.request_id: s.num_tokens for s in self.slices}
+
+
+class PrefillScheduler:
+    """FCFS base; subclasses change only ``order_group``.
+
+    Public: ``add_request``, ``plan_chunk``, ``commit``, ``abort``, ``release``,
+    ``finished_prefills``, ``raw_ids`` / ``scheduled_ids``, ``num_queued_tokens``, ``has_work``.
+    """
+
+    name = "fcfs"
+
+    def __init__(self, blocks: BlockManager, config: PrefillConfig = PrefillConfig(),
+                 clock: Optional[Clock] = None):
+        self.blocks = blocks
+        self.config = config
+        self.clock = clock or MonotonicClock()
+        self._requests: dict[str, Request] = {}  # every request this instance holds
+        self._raw: deque[Request] = deque()
+        self._scheduled: deque[Request] = deque()
+        self._finished: dict[str, Request] = {}  # prompt computed, blocks held until release
+        self._inflight: Optional[ChunkPlan] = None
+
+    # --- queues ---------------------------------------------------------------------------
+    def order_group(self, group: list[Request]) -> list[Request]:
+        """Order one sched batch (already in arrival order). FCFS keeps it."""
+        return group
+
+    def add_request(self, request: Request) -> None:
+        """A new arrival, to the raw queue. Its prompt must fit the whole pool or it never runs."""
+        assert request.request_id not in self._requests, f"duplicate {request.request_id}"
+        assert request.num_computed_tokens == 0 and not request.block_ids, request.request_id
+        num_blocks = blocks_needed(request.num_prompt_tokens, self.blocks.block_size)
+        if num_blocks > self.blocks.num_blocks:
+            raise ValueError(f"prompt of {request.num_prompt_tokens} tokens exceeds the KV pool")
+        request.status = Status.WAITING
+        self._requests[request.request_id] = request
+        self._raw.append(request)
+
+    def _refill(self) -> bool:
+        """Move the next sched batch from the raw queue, ordered by policy; False if none."""
+        n = min(self.config.sched_batch, len(self._raw))
+        group = [self._raw.popleft() for _ in range(n)]
+        self._scheduled.extend(self.order_group(group))
+        return n > 0
+
+    @property
+    def raw_ids(self) -> list[str]:
+        return [r.request_id for r in self._raw]
+
+    @property
+    def scheduled_ids(self) -> list[str]:
+        return [r.request_id for r in self._scheduled]
+
+    @property
+    def finished_prefills(self) -> tuple[Request, ...]:
+        """Requests whose whole prompt is computed, holding their blocks: ready for dispatch."""
+        return tuple(self._finished.values())
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Prompt tokens still to compute here: the load the global scheduler balances."""
+        queued = list(self._raw) + list(self._scheduled)
+        return sum(r.num_prompt_tokens - r.num_computed_tokens for r in queued)
+
+    def has_work(self) -> bool:
+        return bool(self._raw or self._scheduled)
+
+    # --- plan / commit --------------------------------------------------------------------
+    def plan_chunk(self) -> Optional[ChunkPlan]:
+        """Plan the next chunk and allocate its blocks; None when nothing can run now."""
+        assert self._inflight is None, "commit the previous chunk first"
+        budget = self.config.chunk_size
+        slices, new_blocks = [], {}
+        i = 0
+        while budget > 0 and (i < len(self._scheduled) or self._refill()):
+            request = self._scheduled[i]
+            i += 1
+            want = min(budget, request.num_prompt_tokens - request.num_computed_tokens)
+            n = self._fit_blocks(request, want)
+            if n == 0:
+                break  # out of blocks: this request waits, and so does everyone behind it
+            new_blocks[request.request_id] = tuple(
+                self.blocks.grow(request.block_ids, request.num_computed_tokens + n))
+            slices.append(ChunkSlice(request.request_id, request.num_computed_tokens, n))
+            budget -= n
+            self._mark_scheduled(request)
+            if n < want:
+                break  # took the last free blocks
+        if not slices:
+            return None
+        return self._make_plan(slices, new_blocks, budget)
+
+    def _fit_blocks(self, request: Request, want: int) -> int:
+        """Tokens of ``want`` that the request's blocks plus the free blocks can hold."""
+        capacity = (len(request.block_ids) + self.blocks.num_free) * self.blocks.block_size
+        return max(0, min(want, capacity - request.num_computed_tokens))
+
+    def _mark_scheduled(self, request: Request) -> None:
+        request.status = Status.RUNNING
+        request.times.setdefault("scheduled", self.clock.now())
+
+    def _make_plan(self, slices: list[ChunkSlice], new_blocks: dict, budget: int) -> ChunkPlan:
+        tables = {s.request_id: tuple(self._requests[s.request_id].block_ids) for s in slices}
+        finishing = tuple(s.request_id for s in slices
+                          if s.end == self._requests[s.request_id].num_prompt_tokens)
+        plan = ChunkPlan(
+            chunk_size=self.config.chunk_size,
+            slices=tuple(slices),
+            block_ids=MappingProxyType(tables),
+            new_block_ids=MappingProxyType(new_blocks),
+            finishing_ids=finishing,
+            num_pad_tokens=budget if self.config.pad else 0,
+        )
+        assert plan.num_real_tokens <= self.config.chunk_size, plan
+        self._inflight = plan
+        return plan
+
+    def commit(self, plan: ChunkPlan, sampled: Optional[Mapping[str, int]] = None) -> list[Request]:
+        """The chunk ran: advance progress; ``sampled`` holds first tokens of finishing requests.
+
+        Returns the requests whose prompt just completed (now in ``finished_prefills``).
+        Slices of requests aborted while the chunk ran are skipped.
+        """
+        assert plan is self._inflight, "commit the plan that is in flight"
+        self._inflight = None
+        done = []
+        for s in plan.slices:
+            request = self._requests.get(s.request_id)
+            if request is None:
+                continue
+            assert request.num_computed_tokens == s.start, (s, request.num_computed_tokens)
+            request.num_computed_tokens = s.end
+            assert blocks_needed(s.end, self.blocks.block_size) <= len(request.block_ids)
+            if s.end == request.num_prompt_tokens:
+                self._finish_prefill(request, sampled)
+                done.append(request)
+        if done:
+            self._scheduled = deque(
+                r for r in self._scheduled if r.request_id not in self._finished)
+        return done
+
+    def _finish_prefill(self, request: Request, sampled: Optional[Mapping[str, int]]) -> None:
+        request.status = Status.TRANSFERRING
+        request.times["prefill_done"] = self.clock.now()
+        if sampled is not None:
+            request.output_token_ids.append(sampled[request.request_id])
+            request.times.setdefault("first_token", self.clock.now())
+        self._finished[request.request_id] = request
+
+    # --- leaving --------------------------------------------------------------------------
+    def release(self, request_id: str) -> Request:
+        """The KV was handed over: free the request's blocks here and forget it."""
+        request = self._finished.pop(request_id)
+        del self._requests[request_id]
+        self._free(request)
+        return request
+
+    def abort(self, request_id: str) -> Optional[Request]:
+        """Drop the request from whichever queue holds it and free its blocks; None if unknown."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        self._raw = deque(r for r in self._raw if r.request_id != request_id)
+        self._scheduled = deque(r for r in self._scheduled if r.request_id != request_id)
+        self._finished.pop(request_id, None)
+        self._free(request)
+        request.status = Status.FINISHED
+        request.finish_reason = "abort"
+        return request
+
+    def _free(self, request: Request) -> None:
+        self.blocks.free(request.block_ids)
+        request.block_ids = []
+
+
+class SJFPrefillScheduler(PrefillScheduler):
+    """Shortest prompt first within each sched batch (ties keep arrival order)."""
+
+    name = "sjf"
+
+    def order_group(self, group: list[Request]) -> list[Request]:
+        return sorted(group, key=lambda r: r.num_prompt_tokens)
+
+
+class LJFPrefillScheduler(PrefillScheduler):
+    """Longest prompt first within each sched batch (ties keep arrival order)."""
+
+    name = "ljf"
+
+    def order_group(self, group: list[Request]) -> list[Request]:
+        return sorted(group, key=lambda r: -r.num_prompt_tokens)
