@@ -38,3 +38,61 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"bad device {self.device!r}: cpu or cuda[:i]")
+
+
+MODES = ("disagg", "coupled")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The instances and the policies between them (TetriInfer's knobs and the baselines')."""
+
+    mode: str = "disagg"
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_coupled: int = 2
+    # prefill instances
+    prefill_policy: str = "fcfs"  # fcfs | sjf | ljf
+    prefill_sched_batch: int = 16
+    chunk_size: int = 512
+    pad: bool = True
+    # dispatch and decode instances
+    dispatch: str = "interference"
+    decode_policy: str = "greedy"  # greedy | reserve-static | reserve-dynamic
+    preemption: str = "recompute"  # recompute | swap
+    swap_gb: float = 0.25
+    heavy_threshold: int = 128
+    predictor: str = "oracle"  # oracle | none (more with the predictors)
+    # interconnect
+    link: str = "nvlink"
+    emulate_model: Optional[str] = None
+    emulate_kv_bytes_per_token: Optional[int] = None
+    # control plane
+    monitor_interval_s: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self):
+        from scheduling.registry import DECODE_POLICIES, DISPATCH_POLICIES, PREFILL_POLICIES
+
+        if self.mode not in MODES:
+            raise ValueError(f"bad mode {self.mode!r}: choose one of {', '.join(MODES)}")
+        counts = (self.num_prefill, self.num_decode) if self.mode == "disagg" else (self.num_coupled,)
+        if min(counts) < 1:
+            raise ValueError(f"{self.mode} mode needs at least one instance of each kind, got {counts}")
+        for value, table, field in ((self.prefill_policy, PREFILL_POLICIES, "prefill_policy"),
+                                    (self.dispatch, DISPATCH_POLICIES, "dispatch"),
+                                    (self.decode_policy, DECODE_POLICIES, "decode_policy")):
+            if value not in table:
+                raise ValueError(f"bad {field} {value!r}: choose one of {', '.join(table)}")
+        if self.preemption not in ("recompute", "swap"):
+            raise ValueError(f"bad preemption {self.preemption!r}: recompute or swap")
+        if self.chunk_size < 1 or self.prefill_sched_batch < 1:
+            raise ValueError("chunk_size and prefill_sched_batch must be >= 1")
+        if self.predictor not in ("oracle", "none"):
+            raise ValueError(f"bad predictor {self.predictor!r}: choose one of oracle, none")
+        if self.monitor_interval_s <= 0:
+            raise ValueError("monitor_interval_s must be > 0")
+
+    @property
+    def num_instances(self) -> int:
+        return self.num_prefill + self.num_decode if self.mode == "disagg" else self.num_coupled

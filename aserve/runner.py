@@ -33,6 +33,8 @@ class StepInput:
     seqs: tuple[SeqWork, ...]
     num_pad_tokens: int = 0  # TetriInfer's fixed-chunk padding: computed, then thrown away
     want_logits: bool = False  # return the sampled rows' logits too (tests, parity checks)
+    swap_out: tuple[tuple[int, int], ...] = ()  # (device block, host block), copied before the forward
+    swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block), after swap_out
 
 
 @dataclass(frozen=True)
@@ -46,14 +48,19 @@ class StepOutput:
 class ModelRunner:
     """Holds one instance's model and KV pool on one device."""
 
-    def __init__(self, model: torch.nn.Module, kv: KVCache, device, seed: int = 0):
+    def __init__(self, model: torch.nn.Module, kv: KVCache, device, seed: int = 0,
+                 host_kv: Optional[KVCache] = None):
         self.model, self.kv, self.device = model, kv, torch.device(device)
+        self.host_kv = host_kv  # swap space in host memory (same layout as the pool)
         self.block_size = kv.block_size
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         t0 = time.perf_counter()
+        self._swap(step)
+        if not step.seqs:
+            return StepOutput({}, time.perf_counter() - t0, 0)
         ids, positions, meta, sample_rows, sample_specs, sample_ids = self._prepare(step)
         hidden = self.model(ids, positions, meta, self.kv.pool)  # [T, hidden]
         sampled, logits_out = {}, None
@@ -66,6 +73,23 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepOutput(sampled, time.perf_counter() - t0, ids.shape[0], logits_out)
+
+    def _swap(self, step: StepInput) -> None:
+        if not (step.swap_out or step.swap_in):
+            return
+        assert self.host_kv is not None, "swap needs host swap space"
+        if step.swap_out:
+            dev, host = zip(*step.swap_out)
+            self.host_kv.blocks_from(list(host), self.kv.blocks_to(list(dev), self.host_kv.pool.device))
+        if step.swap_in:
+            host, dev = zip(*step.swap_in)
+            self.kv.blocks_from(list(dev), self.host_kv.blocks_to(list(host), self.device))
+
+    @torch.inference_mode()
+    def forward_logits(self, step: StepInput) -> torch.Tensor:
+        """Logits of every token of the step, [T, vocab] (parity tests; writes the KV like execute)."""
+        ids, positions, meta, *_ = self._prepare(step)
+        return self.model.logits(self.model(ids, positions, meta, self.kv.pool))
 
     def _prepare(self, step: StepInput):
         bs = self.block_size
@@ -106,7 +130,7 @@ class ModelRunner:
         ctx_t = torch.tensor(ctx)
         bias = torch.zeros(len(decodes), 1, 1, nb * bs)
         bias.masked_fill_(torch.arange(nb * bs)[None, None, None, :] >= ctx_t[:, None, None, None], float("-inf"))
-        return self._long(table), bias.to(self.device), ctx_t.to(self.device, torch.int32)
+        return self._long(table), bias.to(self.device), ctx_t.to(self.device)
 
     def _long(self, xs) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long).to(self.device, non_blocking=True)

@@ -11,8 +11,10 @@ tokens are batched: one query each. Pad tokens (TetriInfer's fixed-size chunk pa
 linear layers like any token but write no KV and attend to nothing.
 
 Backends: ``reference`` (plain torch matmul + softmax; CPU and CUDA), ``sdpa`` (torch's
-``scaled_dot_product_attention``; fastest here on CPU as well), ``flash`` (flash-attn's paged
-kernel, CUDA only, when ``flash_attn`` imports).
+``scaled_dot_product_attention`` over gathered blocks), ``native`` (CPU: our C++ paged decode
+kernel from ``model/csrc``, which reads K/V in place; SDPA for prompt chunks), ``flash``
+(flash-attn's paged kernel, CUDA only, when ``flash_attn`` imports). ``pick_backend("auto")``
+takes native on CPU when it compiles and sdpa on CUDA (flash when installed).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("reference", "sdpa", "flash")
+BACKENDS = ("reference", "sdpa", "native", "flash")
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class AttentionMeta:
     num_decode_tokens: int
     decode_block_tables: Optional[torch.Tensor]  # [B_dec, max_blocks] long (padded with block 0)
     decode_bias: Optional[torch.Tensor]  # [B_dec, 1, 1, max_blocks*block_size] float: 0 or -inf
-    decode_ctx_lens: Optional[torch.Tensor] = None  # [B_dec] int32 (flash backend)
+    decode_ctx_lens: Optional[torch.Tensor] = None  # [B_dec] int64 (native and flash backends)
 
     @property
     def num_real_tokens(self) -> int:
@@ -88,7 +90,7 @@ def _prefill_one(q, k_cache, v_cache, seq: PrefillSeq, scale: float, backend: st
     groups = num_heads // k.shape[1]
     qh = q.transpose(0, 1)  # [H, q_len, D]
     kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [H_kv, ctx, D]
-    if backend in ("sdpa", "flash"):
+    if backend != "reference":
         causal = seq.mask is None
         return F.scaled_dot_product_attention(
             qh.unsqueeze(0), kh.unsqueeze(0), vh.unsqueeze(0), attn_mask=seq.mask, is_causal=causal,
@@ -117,11 +119,15 @@ def causal_mask(q_len: int, ctx_len: int, device) -> Optional[torch.Tensor]:
 def _decode_batch(q, k_cache, v_cache, meta: AttentionMeta, scale: float, backend: str) -> torch.Tensor:
     if backend == "flash":
         return _flash_decode(q, k_cache, v_cache, meta, scale)
+    if backend == "native":
+        from model import native
+
+        return native.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens, scale)
     bt = meta.decode_block_tables  # [B, nb]
     b, num_heads, d = q.shape
     h_kv = k_cache.shape[2]
-    k = k_cache[bt].reshape(b, -1, h_kv, d)  # [B, ctx_max, H_kv, D]
-    v = v_cache[bt].reshape(b, -1, h_kv, d)
+    k = k_cache[bt].view(b, -1, h_kv, d)  # [B, ctx_max, H_kv, D]
+    v = v_cache[bt].view(b, -1, h_kv, d)
     groups = num_heads // h_kv
     qg = q.view(b, h_kv, groups, d)  # [B, H_kv, G, D]
     if backend == "sdpa":
@@ -132,6 +138,24 @@ def _decode_batch(q, k_cache, v_cache, meta: AttentionMeta, scale: float, backen
     probs = (scores + meta.decode_bias).softmax(-1)
     out = torch.matmul(probs, v.float().transpose(1, 2))  # [B, H_kv, G, D]
     return out.reshape(b, num_heads, d).to(q.dtype)
+
+
+def pick_backend(name: str, device: str) -> str:
+    """Resolve ``auto`` to the fastest backend that works on ``device``; check explicit names."""
+    cuda = device.startswith("cuda")
+    if name == "auto":
+        if cuda:
+            return "flash" if flash_available() else "sdpa"
+        from model import native
+
+        return "native" if native.available() else "sdpa"
+    if name not in BACKENDS:
+        raise ValueError(f"bad attention backend {name!r}: choose one of auto, {', '.join(BACKENDS)}")
+    if name == "flash" and not flash_available():
+        raise ValueError("attention backend 'flash' needs CUDA and the flash_attn package (pip install '.[gpu]')")
+    if name == "native" and cuda:
+        raise ValueError("attention backend 'native' is the CPU kernel; use sdpa or flash on CUDA")
+    return name
 
 
 def flash_available() -> bool:
@@ -146,6 +170,6 @@ def _flash_decode(q, k_cache, v_cache, meta: AttentionMeta, scale: float) -> tor
     from flash_attn import flash_attn_with_kvcache
 
     out = flash_attn_with_kvcache(
-        q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.decode_ctx_lens,
+        q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.decode_ctx_lens.to(torch.int32),
         block_table=meta.decode_block_tables.to(torch.int32), softmax_scale=scale, causal=True)
     return out.squeeze(1)

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """LLaMA's RMSNorm: normalise in float32, cast back, then scale (as the reference does)."""
+    """LLaMA's RMSNorm (float32 accumulation, as the reference)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -14,16 +15,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # torch's fused kernel accumulates in float32: one op instead of eight on the hot path
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (the "rotate half" layout HF LLaMA checkpoints use).
 
-    cos/sin tables are built once in float32 for every position up to ``max_position`` and
-    indexed by each token's absolute position, so chunks and decode tokens need no offsets.
+    cos/sin tables are built once in float32 for every position up to ``max_position``;
+    ``tables(positions)`` is looked up once per step and shared by all layers, so chunks and
+    decode tokens need no offsets and each layer pays only four elementwise ops.
     """
 
     def __init__(self, head_dim: int, max_position: int, theta: float):
@@ -31,17 +32,16 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_position, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_position, D]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat([freqs, freqs], -1).cos(), persistent=False)  # [max_position, D]
+        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin): fold the sign into the table
+        self.register_buffer("sin", torch.cat([-freqs.sin(), freqs.sin()], -1), persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        # q: [T, H, D], k: [T, H_kv, D], positions: [T]
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, signed sin: [T, 1, D] in ``dtype`` for the step's positions."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] (q and k heads together) -> rotated, same shape."""
     half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin

@@ -11,7 +11,7 @@ from torch import nn
 
 from model.attention import AttentionMeta, paged_attention, write_kv
 from model.config import ModelArgs
-from model.layers import RMSNorm, RotaryEmbedding
+from model.layers import RMSNorm, RotaryEmbedding, apply_rope
 
 
 class LlamaAttention(nn.Module):
@@ -25,14 +25,13 @@ class LlamaAttention(nn.Module):
         self.scale = args.head_dim ** -0.5
         self.backend = backend
 
-    def forward(self, x, positions, meta: AttentionMeta, kv: torch.Tensor, rope: RotaryEmbedding):
+    def forward(self, x, rope: tuple, meta: AttentionMeta, kv: torch.Tensor):
         # x: [T, hidden]; kv: [2, num_blocks, block_size, H_kv, D] (this layer's slice of the pool)
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, H_kv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(q, k, positions)
         write_kv(kv[0], kv[1], k, v, meta)
         out = paged_attention(q, kv[0], kv[1], meta, self.scale, self.backend)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.q_size))
@@ -58,8 +57,8 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = RMSNorm(args.hidden_size, args.norm_eps)
         self.mlp = LlamaMLP(args)
 
-    def forward(self, x, positions, meta, kv, rope):
-        h = x + self.attn(self.attn_norm(x), positions, meta, kv, rope)
+    def forward(self, x, rope, meta, kv):
+        h = x + self.attn(self.attn_norm(x), rope, meta, kv)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -78,8 +77,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMeta, kv: torch.Tensor) -> torch.Tensor:
         # kv: the pool [L, 2, num_blocks, block_size, H_kv, D]
         x = self.embed(input_ids)  # [T, hidden]
+        rope = self.rope.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, meta, kv[i], self.rope)
+            x = layer(x, rope, meta, kv[i])
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
