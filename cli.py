@@ -17,10 +17,44 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool size per instance, GiB")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     g.add_argument("--max-num-seqs", type=int, default=256, help="requests in one batch at most")
-    g.add_argument("--batching", default="sarathi", help="coupled batching policy: sarathi | vllm")
+    g.add_argument("--batching", default="sarathi", help="coupled batching policy: sarathi | vllm | alise")
+    g.add_argument("--swap-gb", type=float, default=0.25, help="host swap space for preempted KV, GiB")
     g.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0 = all cores)")
     g.add_argument("--cache-dir", default=None, help="where the dequantised default model is cached")
     g.add_argument("--seed", type=int, default=0)
+
+
+def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--mode", default=default_mode, help="disagg (prefill and decode instances) | coupled"
+                   + (" | offline (no cluster)" if default_mode == "offline" else ""))
+    g.add_argument("--prefill", type=int, default=1, help="prefill instances (disagg)")
+    g.add_argument("--decode", type=int, default=1, help="decode instances (disagg)")
+    g.add_argument("--instances", type=int, default=2, help="coupled instances (coupled)")
+    g.add_argument("--prefill-policy", default="fcfs", help="fcfs | sjf | ljf")
+    g.add_argument("--prefill-sched-batch", type=int, default=16)
+    g.add_argument("--chunk-size", type=int, default=512, help="fixed prefill chunk, tokens")
+    g.add_argument("--no-pad", action="store_true", help="do not pad the last chunk to the chunk size")
+    g.add_argument("--dispatch", default="interference",
+                   help="interference | random | round-robin | least-loaded | imbalance")
+    g.add_argument("--decode-policy", default="greedy", help="greedy | reserve-static | reserve-dynamic")
+    g.add_argument("--preemption", default="recompute", help="recompute | swap")
+    g.add_argument("--predictor", default="oracle", help="length predictor: oracle | none")
+    g.add_argument("--link", default="nvlink", help="nvlink | roce | pcie | bw=25GB/s,latency=5us")
+    g.add_argument("--emulate-model", default=None, help="charge the link for this model's KV size (e.g. opt-13b)")
+    g.add_argument("--emulate-kv-bytes-per-token", type=int, default=None)
+    g.add_argument("--monitor-interval", type=float, default=0.1, help="seconds between load broadcasts")
+
+
+def cluster_config(a: argparse.Namespace):
+    from aserve.config import ClusterConfig
+
+    return ClusterConfig(mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, num_coupled=a.instances,
+                         prefill_policy=a.prefill_policy, prefill_sched_batch=a.prefill_sched_batch,
+                         chunk_size=a.chunk_size, pad=not a.no_pad, dispatch=a.dispatch, decode_policy=a.decode_policy,
+                         preemption=a.preemption, predictor=a.predictor, link=a.link, emulate_model=a.emulate_model,
+                         emulate_kv_bytes_per_token=a.emulate_kv_bytes_per_token,
+                         monitor_interval_s=a.monitor_interval, seed=a.seed)
 
 
 def engine_config(a: argparse.Namespace):
@@ -28,7 +62,7 @@ def engine_config(a: argparse.Namespace):
 
     return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention, block_size=a.block_size,
                         kv_cache_gb=a.kv_cache_gb, max_num_batched_tokens=a.max_num_batched_tokens,
-                        max_num_seqs=a.max_num_seqs, batching=a.batching, num_threads=a.threads,
+                        max_num_seqs=a.max_num_seqs, batching=a.batching, swap_gb=a.swap_gb, num_threads=a.threads,
                         cache_dir=a.cache_dir, seed=a.seed)
 
 
@@ -47,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_args(g)
+    add_cluster_args(g, default_mode="offline")
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -72,12 +107,32 @@ def cmd_generate(a: argparse.Namespace) -> int:
     sp = sampling_from(a)
     if a.prompt is None and not a.chat:
         raise ValueError("give a prompt, or --chat for an interactive chat")
+    if a.mode != "offline":
+        if a.prompt is None:
+            raise ValueError("--chat without a prompt is interactive: use --mode offline")
+        print(_generate_cluster(a, sp))
+        return 0
     llm = LLM(engine_config(a))
     if a.prompt is not None:
         out = llm.generate([a.prompt], sp, chat=a.chat)[0]
         print(out.text)
         return 0
     return _chat_loop(llm, sp)
+
+
+def _generate_cluster(a: argparse.Namespace, sp) -> str:
+    """One prompt through the in-process cluster (disagg or coupled)."""
+    import asyncio
+
+    from aserve.cluster import Cluster
+
+    async def run() -> str:
+        async with Cluster(engine_config(a), cluster_config(a)) as cluster:
+            ids = cluster.bundle.encode(a.prompt, a.chat)
+            req = await cluster.generate(ids, sp)
+            return cluster.stops.text(req)
+
+    return asyncio.run(run())
 
 
 def _chat_loop(llm, sp) -> int:

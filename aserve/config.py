@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from model.attention import BACKENDS
-from scheduling.coupled import POLICIES
+from scheduling.alise import ALL_POLICIES
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,8 @@ class EngineConfig:
     kv_cache_gb: float = 1.0
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 256
-    batching: str = "sarathi"
+    batching: str = "sarathi"  # coupled policy: sarathi | vllm | alise
+    swap_gb: float = 0.25  # host swap space for preempted KV (alise, decode swap)
     num_threads: int = 0  # torch threads on CPU; 0 = every core
     cache_dir: Optional[str] = None
     seed: int = 0
@@ -28,10 +29,12 @@ class EngineConfig:
     def __post_init__(self):
         if self.attention not in BACKENDS:
             raise ValueError(f"bad attention backend {self.attention!r}: choose one of {', '.join(BACKENDS)}")
-        if self.batching not in POLICIES:
-            raise ValueError(f"bad batching policy {self.batching!r}: choose one of {', '.join(POLICIES)}")
+        if self.batching not in ALL_POLICIES:
+            raise ValueError(f"bad batching policy {self.batching!r}: choose one of {', '.join(ALL_POLICIES)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.swap_gb < 0:
+            raise ValueError(f"swap_gb must be >= 0, got {self.swap_gb}")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -59,8 +62,7 @@ class ClusterConfig:
     # dispatch and decode instances
     dispatch: str = "interference"
     decode_policy: str = "greedy"  # greedy | reserve-static | reserve-dynamic
-    preemption: str = "recompute"  # recompute | swap
-    swap_gb: float = 0.25
+    preemption: str = "recompute"  # recompute | swap (swap space: EngineConfig.swap_gb)
     heavy_threshold: int = 128
     predictor: str = "oracle"  # oracle | none (more with the predictors)
     # interconnect

@@ -20,6 +20,7 @@ from model.kv_cache import KVCache, num_blocks_for_budget
 from model.loader import load_model, pick_dtype, read_config, resolve_model
 from model.sampler import SampleSpec
 from scheduling.block_manager import BlockManager
+from scheduling.alise import build_coupled
 from scheduling.coupled import CoupledScheduler, SchedulerOutput
 from scheduling.request import Request, SamplingParams
 
@@ -94,6 +95,23 @@ def build_runner(bundle: ModelBundle, cfg: EngineConfig) -> tuple[ModelRunner, B
     return ModelRunner(bundle.model, kv, cfg.device, cfg.seed), BlockManager(num_blocks, cfg.block_size)
 
 
+def add_swap_space(runner: ModelRunner, bundle: ModelBundle, cfg: EngineConfig) -> BlockManager:
+    """Host memory for swapped-out KV blocks (``swap_gb``), attached to the runner."""
+    n = num_blocks_for_budget(bundle.args, cfg.block_size, bundle.dtype, max(1, int(cfg.swap_gb * 2**30)))
+    runner.host_kv = KVCache(bundle.args, n, cfg.block_size, bundle.dtype, "cpu")
+    return BlockManager(n, cfg.block_size)
+
+
+def build_coupled_scheduler(runner: ModelRunner, blocks: BlockManager, bundle: ModelBundle, cfg: EngineConfig,
+                            clock=None) -> CoupledScheduler:
+    """The coupled batching policy of ``cfg``; ALISE also gets host swap space and the clock."""
+    if cfg.batching != "alise":
+        return build_coupled(blocks, cfg.batching, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+    host = add_swap_space(runner, bundle, cfg) if runner.host_kv is None else \
+        BlockManager(runner.host_kv.num_blocks, cfg.block_size)
+    return build_coupled(blocks, "alise", cfg.max_num_batched_tokens, cfg.max_num_seqs, clock=clock, host_blocks=host)
+
+
 def step_input(sched_out: SchedulerOutput, requests: dict[str, Request], want_logits: bool = False) -> StepInput:
     """Turn a scheduler decision into the runner's immutable input."""
     seqs = []
@@ -104,7 +122,8 @@ def step_input(sched_out: SchedulerOutput, requests: dict[str, Request], want_lo
         spec = SampleSpec(req.sampling.temperature, req.sampling.top_k, req.sampling.top_p, req.sampling.seed,
                           req.num_output_tokens) if done else None
         seqs.append(SeqWork(rid, tuple(req.token_ids_slice(start, start + n)), start, tuple(req.block_ids), spec))
-    return StepInput(tuple(seqs), want_logits=want_logits)
+    return StepInput(tuple(seqs), want_logits=want_logits, swap_out=tuple(getattr(sched_out, "swap_out", ())),
+                     swap_in=tuple(getattr(sched_out, "swap_in", ())))
 
 
 class LLM:
@@ -127,7 +146,7 @@ class LLM:
                  chat: bool = False, progress=None) -> list[Completion]:
         """Generate for every prompt; results in prompt order. ``progress(n_done, n_tokens)`` is called per step."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        sched = CoupledScheduler(self.blocks, self.cfg.batching, self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs)
+        sched = build_coupled_scheduler(self.runner, self.blocks, self.bundle, self.cfg)
         reqs = []
         for prompt, sp in zip(prompts, plist):
             ids = self.bundle.encode(prompt, chat)
@@ -140,7 +159,7 @@ class LLM:
         try:
             while sched.has_work:
                 out = sched.schedule()
-                assert not out.empty, "scheduler made no progress"
+                assert not out.empty or getattr(out, "swap_in", ()), "scheduler made no progress"
                 res = self.runner.execute(step_input(out, table))
                 for req in sched.update(out, res.sampled):
                     reason = self.stops.check(req)

@@ -19,12 +19,10 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from aserve.config import ClusterConfig, EngineConfig
-from aserve.engine import ModelBundle, build_runner, step_input
+from aserve.engine import ModelBundle, add_swap_space, build_coupled_scheduler, build_runner, step_input
 from aserve.runner import SeqWork, StepInput, StepOutput
-from model.kv_cache import KVCache, num_blocks_for_budget
 from model.sampler import SampleSpec
 from scheduling import registry
-from scheduling.coupled import CoupledScheduler
 from scheduling.decode import DecodeConfig
 from scheduling.dispatch import DispatchConfig
 from scheduling.prefill import ChunkPlan, PrefillConfig
@@ -63,23 +61,18 @@ class Instance:
                 self.blocks, PrefillConfig(cfg.chunk_size, cfg.prefill_sched_batch, cfg.pad), clock)
             self.dispatcher = registry.get("dispatch", cfg.dispatch)(DispatchConfig(cfg.heavy_threshold, cfg.seed))
         elif role == "decode":
-            swap_blocks = self._make_swap_space(bundle, engine) if cfg.preemption == "swap" else 0
+            swap_blocks = add_swap_space(self.runner, bundle, engine).num_blocks if cfg.preemption == "swap" else 0
             self.decode = registry.get("decode", cfg.decode_policy)(
                 self.blocks, DecodeConfig(preemption=cfg.preemption, num_swap_blocks=swap_blocks,
                                           heavy_threshold=cfg.heavy_threshold), clock)
         else:
-            self.coupled = CoupledScheduler(self.blocks, engine.batching, engine.max_num_batched_tokens,
-                                            engine.max_num_seqs)
+            self.coupled = build_coupled_scheduler(self.runner, self.blocks, bundle, engine, clock)
         self.wake = asyncio.Event()
         self.task: Optional[asyncio.Task] = None
         # counters for metrics and the paper's resource-usage time
         self.busy_s = 0.0
         self.num_steps = self.num_prefill_tokens = self.num_decode_tokens = self.num_pad_tokens = 0
-
-    def _make_swap_space(self, bundle: ModelBundle, engine: EngineConfig) -> int:
-        n = num_blocks_for_budget(bundle.args, engine.block_size, bundle.dtype, int(self.cfg.swap_gb * 2**30))
-        self.runner.host_kv = KVCache(bundle.args, n, engine.block_size, bundle.dtype, "cpu")
-        return n
+        self.num_preemptions = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -142,6 +135,7 @@ class Instance:
                     await self._run(StepInput((), swap_out=sched.swap_out, swap_in=sched.swap_in))
                 await self._idle()
                 continue
+            self.num_preemptions += len(sched.preempted_ids)
             seqs = []
             for rid, n in sched.num_scheduled_tokens.items():
                 req = self.decode._requests[rid]
@@ -163,9 +157,10 @@ class Instance:
                 await self._idle()
                 continue
             out = sched.schedule()
-            if out.empty:
+            if out.empty and not getattr(out, "swap_in", ()):
                 await self._idle()
                 continue
+            self.num_preemptions += len(out.preempted_ids)
             res = await self._run(step_input(out, sched.requests))
             self.num_decode_tokens += len(res.sampled)
             self.num_prefill_tokens += out.total_tokens - len(res.sampled)

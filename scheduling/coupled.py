@@ -38,10 +38,12 @@ class SchedulerOutput:
 
 
 class CoupledScheduler:
+    policies: tuple[str, ...] = POLICIES  # names this class schedules; subclasses add their own
+
     def __init__(self, blocks: BlockManager, policy: str = "sarathi", max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 256):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown batching policy {policy!r}; choose one of {POLICIES}")
+        if policy not in self.policies:
+            raise ValueError(f"unknown batching policy {policy!r}; choose one of {self.policies}")
         assert max_num_batched_tokens >= 1 and max_num_seqs >= 1
         self.blocks, self.policy = blocks, policy
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs

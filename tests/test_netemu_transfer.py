@@ -150,7 +150,8 @@ def test_real_time_matches_bandwidth_and_latency():
 
 
 def test_two_transfers_sharing_take_twice_as_long():
-    link = real_link(40e6, 1e-3)  # alone ~53 ms, shared ~106 ms
+    # long enough windows that a busy machine's late timer wake-ups stay well under 10%
+    link = real_link(8e6, 1e-3)  # alone ~263 ms, shared ~525 ms
     src = make_pool(64, shape=BIG)
     dst_a, dst_b = make_pool(32, shape=BIG, fill=False), make_pool(32, shape=BIG, fill=False)
 
@@ -160,8 +161,8 @@ def test_two_transfers_sharing_take_twice_as_long():
                                                BIG_IDS))
 
     a, b = asyncio.run(both())
-    alone = a.nbytes / 40e6 + 1e-3
-    shared = 2 * a.nbytes / 40e6 + 1e-3
+    alone = a.nbytes / 8e6 + 1e-3
+    shared = 2 * a.nbytes / 8e6 + 1e-3
     for rec in (a, b):
         assert rec.emulated_s == pytest.approx(shared, rel=0.10)
         assert rec.emulated_s > 1.5 * alone

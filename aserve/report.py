@@ -1,0 +1,246 @@
+"""Replay metrics: per request, per system, side by side (rich table) and as JSON.
+
+Per request: TTFT (arrival -> first token), every TBT (gap between consecutive tokens), JCT
+(arrival -> last token), normalized latency (JCT / output tokens), queue time (arrival ->
+first scheduled). Per system: mean/p50/p90/p99 of each, throughput, goodput under an SLO,
+resource usage and perf/$, generation stalls, padding, KV bytes moved, flips.
+
+*Resource usage* is the sum over instances of the wall seconds each one's executor spent on
+model steps (the paper's "resource usage time"). *perf/$* follows the paper's "performance per
+dollar", perf/$ ∝ throughput / resource usage: output tokens per second divided by resource
+usage seconds, reported as a ratio to the first system (cost ∝ busy device time).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from scheduling.stalls import count_stalls
+
+STALL_K = 5.0  # a stall: a decode gap longer than STALL_K x the median TBT (Sarathi-Serve)
+LATENCIES = ("ttft", "tbt", "jct", "normalized_latency", "queue_time")
+SLO_KEYS = {"ttft": "TTFT", "tbt": "mean TBT of the request (TPOT)", "jct": "JCT",
+            "norm": "normalized latency (JCT per output token)"}
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What one replayed request did. Times are seconds on the replay's clock (0 = its start)."""
+
+    index: int
+    prompt_tokens: int
+    target_output_tokens: int
+    arrival_s: float
+    status: str  # completed | failed | aborted
+    scheduled_s: Optional[float] = None
+    first_token_s: Optional[float] = None
+    finish_s: Optional[float] = None
+    token_times: tuple = ()
+    num_preemptions: int = 0
+    error: Optional[str] = None
+    reported_output_tokens: Optional[int] = None  # over HTTP: the server's usage count, when it differs
+
+    def __post_init__(self):
+        assert self.status in ("completed", "failed", "aborted"), self.status
+
+    @property
+    def output_tokens(self) -> int:
+        return self.reported_output_tokens if self.reported_output_tokens is not None else len(self.token_times)
+
+
+@dataclass(frozen=True)
+class InstanceRecord:
+    """One instance over a replay; ``samples`` are (t, busy_s so far, role) every sample period."""
+
+    id: str
+    role: str
+    busy_s: float
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    pad_tokens: int = 0
+    free_blocks_start: int = 0
+    free_blocks_end: int = 0
+    samples: tuple = ()
+
+
+@dataclass(frozen=True)
+class SystemRun:
+    """One system's replay of a trace."""
+
+    name: str
+    records: tuple
+    instances: tuple = ()  # empty over HTTP: the server's internals are not visible
+    kv_bytes_moved: Optional[int] = None
+    flips: Optional[int] = None
+    max_loop_lag_s: Optional[float] = None
+    config: dict = field(default_factory=dict)
+
+
+def parse_slo(text: Optional[str]) -> dict[str, float]:
+    """``ttft=1,tbt=200ms`` -> {"ttft": 1.0, "tbt": 0.2}; seconds, or with an ``ms`` suffix."""
+    if not text:
+        return {}
+    slo = {}
+    for part in text.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep or key not in SLO_KEYS:
+            raise ValueError(f"bad --slo item {part.strip()!r}: use KEY=SECONDS with KEY one of {', '.join(SLO_KEYS)}")
+        try:
+            slo[key] = float(value[:-2]) / 1000 if value.endswith("ms") else float(value.rstrip("s"))
+        except ValueError:
+            raise ValueError(f"bad --slo value {value!r} for {key}: seconds, e.g. 0.2 or 200ms") from None
+        if slo[key] <= 0:
+            raise ValueError(f"--slo {key} must be > 0")
+    return slo
+
+
+def stats(values: Sequence[float]) -> Optional[dict]:
+    if len(values) == 0:
+        return None
+    a = np.asarray(values, dtype=float)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def request_latencies(r: RequestRecord) -> dict:
+    """Latency samples of one completed request (lists, since TBT has many)."""
+    gaps = [b - a for a, b in zip(r.token_times, r.token_times[1:])]
+    out = {"ttft": [r.first_token_s - r.arrival_s], "tbt": gaps, "jct": [r.finish_s - r.arrival_s],
+           "normalized_latency": [(r.finish_s - r.arrival_s) / max(1, r.output_tokens)], "queue_time": []}
+    if r.scheduled_s is not None:
+        out["queue_time"] = [r.scheduled_s - r.arrival_s]
+    return out
+
+
+def meets_slo(r: RequestRecord, slo: dict) -> bool:
+    jct = r.finish_s - r.arrival_s
+    tpot = (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) if len(r.token_times) > 1 else 0.0
+    values = {"ttft": r.first_token_s - r.arrival_s, "tbt": tpot, "jct": jct, "norm": jct / max(1, r.output_tokens)}
+    return all(values[k] <= v for k, v in slo.items())
+
+
+def summarize(run: SystemRun, slo: Optional[dict] = None, clipped: int = 0) -> dict:
+    """One system's numbers, in the JSON report's shape (seconds)."""
+    done = [r for r in run.records if r.status == "completed" and r.first_token_s is not None]
+    samples = {k: [] for k in LATENCIES}
+    for r in done:
+        for k, v in request_latencies(r).items():
+            samples[k].extend(v)
+    span = (max(r.finish_s for r in done) - min(r.arrival_s for r in run.records)) if done else 0.0
+    tokens = sum(r.output_tokens for r in done)
+    st = count_stalls([r.token_times for r in done], k=STALL_K)
+    inst = run.instances
+    out = {"completed": len(done), "failed": sum(r.status == "failed" for r in run.records),
+           "aborted": sum(r.status == "aborted" for r in run.records), "clipped": clipped,
+           **{k: stats(samples[k]) for k in LATENCIES},
+           "throughput_rps": len(done) / span if span > 0 else 0.0,
+           "output_tokens_per_s": tokens / span if span > 0 else 0.0,
+           "goodput_rps": (sum(meets_slo(r, slo) for r in done) / span if span > 0 else 0.0) if slo else None,
+           "resource_usage_s": sum(i.busy_s for i in inst) if inst else None,
+           "perf_per_dollar_vs_first": None,
+           "stalls": {"count": st.count, "seconds": float(st.total_s), "longest_s": st.longest_s,
+                      "threshold_s": st.threshold_s, "num_gaps": st.num_gaps},
+           "padding_tokens": sum(i.pad_tokens for i in inst) if inst else None,
+           "kv_bytes_moved": run.kv_bytes_moved, "flips": run.flips,
+           "makespan_s": span, "output_tokens": tokens, "preemptions": sum(r.num_preemptions for r in done),
+           "max_loop_lag_s": run.max_loop_lag_s, "config": run.config,
+           "instances": [{"id": i.id, "role": i.role, "busy_s": i.busy_s, "prefill_tokens": i.prefill_tokens,
+                          "decode_tokens": i.decode_tokens, "pad_tokens": i.pad_tokens,
+                          "free_blocks_start": i.free_blocks_start, "free_blocks_end": i.free_blocks_end}
+                         for i in inst]}
+    out["perf"] = out["output_tokens_per_s"] / out["resource_usage_s"] if out["resource_usage_s"] else None
+    return out
+
+
+def build_report(trace_summary: dict, runs: Sequence[SystemRun], slo: Optional[dict] = None,
+                 clipped: int = 0) -> dict:
+    """``{"trace": {...}, "systems": {name: {...}}}``; perf/$ relative to the first system."""
+    systems = {run.name: summarize(run, slo, clipped) for run in runs}
+    first = next(iter(systems.values()), None)
+    for s in systems.values():
+        if first and first["perf"] and s["perf"] is not None:
+            s["perf_per_dollar_vs_first"] = s["perf"] / first["perf"]
+    trace = dict(trace_summary)
+    if slo:
+        trace["slo"] = {**slo, "meaning": {k: SLO_KEYS[k] for k in slo}}
+    trace["perf_per_dollar"] = "output tokens/s divided by resource usage s (sum of instances' busy s), vs the first"
+    return {"trace": trace, "systems": systems}
+
+
+def write_json(report: dict, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    return path
+
+
+# ---- the rich table ------------------------------------------------------------------------------
+_LAT_ROWS = (("TTFT", "ttft"), ("TBT", "tbt"), ("JCT", "jct"), ("norm. latency", "normalized_latency"),
+             ("queue time", "queue_time"))
+_SCALAR_ROWS = (("throughput req/s", "throughput_rps", "{:.3f}"), ("output tokens/s", "output_tokens_per_s", "{:.1f}"),
+                ("goodput req/s", "goodput_rps", "{:.3f}"), ("resource usage s", "resource_usage_s", "{:.2f}"),
+                ("perf/$ vs first", "perf_per_dollar_vs_first", "{:.2f}"), ("padding tokens", "padding_tokens", "{:d}"),
+                ("KV bytes moved", "kv_bytes_moved", "{:,d}"), ("flips", "flips", "{:d}"),
+                ("preemptions", "preemptions", "{:d}"), ("makespan s", "makespan_s", "{:.2f}"))
+
+
+def _ratio(value, base) -> str:
+    return f" [dim](x{value / base:.2f})[/dim]" if base and value is not None else ""
+
+
+def _latency_cell(s: dict, first: dict, key: str, is_first: bool) -> str:
+    v = s[key]
+    if v is None:
+        return "n/a"
+    cell = f"{v['mean']:.3f} {v['p50']:.3f} {v['p90']:.3f} {v['p99']:.3f}"
+    return cell if is_first or not first[key] else cell + _ratio(v["mean"], first[key]["mean"])
+
+
+def _rows(systems: dict) -> list[list[str]]:
+    names = list(systems)
+    first = systems[names[0]]
+    rows = [["requests ok/fail/abort/clip"] +
+            [f"{s['completed']}/{s['failed']}/{s['aborted']}/{s['clipped']}" for s in systems.values()]]
+    for label, key in _LAT_ROWS:
+        rows.append([f"{label} s"] +
+                    [_latency_cell(s, first, key, i == 0) for i, s in enumerate(systems.values())])
+    st = [s["stalls"] for s in systems.values()]
+    rows.append(["stalls (count / s)"] + [f"{x['count']} / {x['seconds']:.2f} s" for x in st])
+    for label, key, fmt in _SCALAR_ROWS:
+        cells = []
+        for i, s in enumerate(systems.values()):
+            v = s[key]
+            text = "n/a" if v is None else fmt.format(v)
+            cells.append(text if i == 0 or key == "perf_per_dollar_vs_first" else text + _ratio(v, first[key]))
+        rows.append([label] + cells)
+    return rows
+
+
+def print_report(report: dict, console=None) -> None:
+    """The trace summary (with every fitting change) and the systems side by side."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    t = report["trace"]
+    console.print(f"[bold]trace[/bold] {t.get('source', '')} ({t.get('format', '')}): {t.get('num_requests')} requests "
+                  f"over {t.get('duration_s', 0):.1f} s, prompts: {t.get('prompts', 'n/a')}, target: {t.get('target', 'n/a')}")
+    for change in t.get("changes", []):
+        console.print(f"  fitted: {change}")
+    systems = report["systems"]
+    if not systems:
+        return
+    table = Table(title="replay: latencies as mean p50 p90 p99; (xN) = ratio to the first system",
+                  show_lines=False)
+    table.add_column("metric", style="bold")
+    for name in systems:
+        table.add_column(name, justify="right")
+    for row in _rows(systems):
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"[dim]stall = decode gap > {STALL_K:g}x the median TBT; resource usage = sum of instances' busy "
+                  "seconds; perf/$ = (output tokens/s) / resource usage, relative to the first system[/dim]")

@@ -1,0 +1,41 @@
+"""The real default model (SmolLM2-135M-Instruct): parity with transformers and a sane answer."""
+import pytest
+import torch
+
+from aserve.config import EngineConfig
+from aserve.engine import LLM, PromptTooLong
+from scheduling.request import SamplingParams
+from tests.tiny import make_runner, prefill_logits
+
+pytestmark = pytest.mark.slow
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_fp32_logits_match_transformers(default_bundle_fp32):
+    from transformers import AutoModelForCausalLM
+
+    b = default_bundle_fp32
+    hf = AutoModelForCausalLM.from_pretrained(b.path, dtype=torch.float32).eval()
+    ids = b.encode(QUESTION)
+    runner, blocks = make_runner(b.model, num_blocks=64)
+    block_ids = []
+    ours = prefill_logits(runner, blocks, ids, 16, block_ids)  # chunked, to exercise the paged path
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].float()
+    assert (ours - want).abs().max().item() <= 1e-3
+    blocks.free(block_ids)
+
+
+def test_greedy_france_says_paris(default_bundle_fp32):
+    llm = LLM(EngineConfig(dtype="fp32", attention="reference", kv_cache_gb=0.05), bundle=default_bundle_fp32)
+    out = llm.generate([QUESTION], SamplingParams(max_tokens=24, temperature=0))[0]
+    assert "Paris" in out.text
+    assert out.finish_reason in ("stop", "length")
+    assert llm.blocks.num_free == llm.blocks.num_blocks
+
+
+def test_prompt_beyond_context_is_refused(default_bundle_fp32):
+    llm = LLM(EngineConfig(dtype="fp32", kv_cache_gb=0.05), bundle=default_bundle_fp32)
+    with pytest.raises(PromptTooLong, match="context window of 8192"):
+        llm.generate([list(range(8190))], SamplingParams(max_tokens=16))
+    assert llm.blocks.num_free == llm.blocks.num_blocks
