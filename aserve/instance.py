@@ -161,6 +161,9 @@ class Instance:
                 await self._idle()
                 continue
             self.num_preemptions += len(out.preempted_ids)
+            now = self.cluster.clock.now()
+            for rid in out.num_scheduled:
+                sched.requests[rid].times.setdefault("scheduled", now)
             res = await self._run(step_input(out, sched.requests))
             self.num_decode_tokens += len(res.sampled)
             self.num_prefill_tokens += out.total_tokens - len(res.sampled)

@@ -82,7 +82,7 @@ def plot_timelines(runs: Sequence[SystemRun], path: Path) -> Path:
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("time since the replay started (s)")
     handles = [Patch(color=c, label=role) for role, c in ROLE_COLOURS.items()]
-    axes[0, 0].legend(handles=handles, loc="upper right", fontsize=8)
+    axes[0, 0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize=8, frameon=False)
     return _save(fig, path)
 
 

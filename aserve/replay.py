@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Awaitable, Callable, Optional, Sequence
 
 from aserve.config import ClusterConfig, EngineConfig
@@ -216,15 +216,9 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
                           for iid, inst in cluster.instances.items())
         flips = max(sampler.flips(), int(cluster.counts.get("flips", 0)))
         return SystemRun(spec.name, tuple(records), instances, _kv_bytes(cluster) - kv0, flips, sampler.max_lag,
-                         config={"engine": vars_of(spec.engine), "cluster": vars_of(spec.cluster)})
+                         config={"engine": asdict(spec.engine), "cluster": asdict(spec.cluster)})
     finally:
         await cluster.stop()
-
-
-def vars_of(cfg) -> dict:
-    from dataclasses import asdict
-
-    return asdict(cfg)
 
 
 async def replay_systems(specs: Sequence[SystemSpec], trace: Trace, prompts: Sequence[list[int]], bundle,

@@ -4,9 +4,10 @@
                         [--json FILE] [--plots DIR] [--slo ttft=1,tbt=200ms] [engine and cluster flags]
     aserve workload NAME [--num-requests 128] [--out traces/NAME.jsonl] [--rate 1.0]
 
-``--compare`` items are parsed with the same engine and cluster flags, on top of the command
-line's own values; flags that change the model bundle (model, dtype, device, attention) may not
-differ between systems, since the bundle is loaded once and shared.
+``--compare`` items are parsed with the same engine and cluster flags (cli.add_engine_args,
+cli.add_cluster_args) on top of the command line's own values; flags that change the model
+bundle (model, dtype, device, attention, cache dir) may not differ between systems, since the
+bundle is loaded once and shared.
 """
 from __future__ import annotations
 

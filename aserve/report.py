@@ -225,7 +225,9 @@ def print_report(report: dict, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    import sys
+
+    console = console or (Console() if sys.stdout.isatty() else Console(width=150))  # logs: no wrapped cells
     t = report["trace"]
     console.print(f"[bold]trace[/bold] {t.get('source', '')} ({t.get('format', '')}): {t.get('num_requests')} requests "
                   f"over {t.get('duration_s', 0):.1f} s, prompts: {t.get('prompts', 'n/a')}, target: {t.get('target', 'n/a')}")

@@ -16,7 +16,8 @@ import random
 from pathlib import Path
 from typing import Optional, Sequence
 
-from aserve.traces import TraceRequest, gamma_arrivals, read_lengths
+from aserve.trace_formats import TraceRequest, read_lengths
+from aserve.traces import gamma_arrivals
 
 HEAVY_PREFILL = 512  # prompt tokens above this: heavy prefill
 HEAVY_DECODE = 128  # output tokens above this: heavy decode

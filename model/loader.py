@@ -69,6 +69,8 @@ def resolve_model(name: str, cache_dir: Path | None = None) -> Path:
 
 
 def _bundled_folder(name: str, cache_dir: Path) -> Path:
+    if _is_converted(cache_dir / name):  # already dequantised: the package is not needed any more
+        return cache_dir / name
     package, filename = _BUNDLED[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -80,8 +82,12 @@ def _bundled_folder(name: str, cache_dir: Path) -> Path:
     return _cached_gguf(gguf, cache_dir / name)
 
 
+def _is_converted(folder: Path) -> bool:
+    return (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+
+
 def _cached_gguf(gguf: Path, out: Path) -> Path:
-    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+    if _is_converted(out):
         return out
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,0 +1,142 @@
+"""Replay and report: a small in-process --compare replay end to end, plus the pieces without a model."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import pytest
+
+from aserve.replay import add_replay_parsers, drive
+from aserve.replay_cli import parse_compare
+from aserve.report import LATENCIES, RequestRecord, SystemRun, build_report, parse_slo, summarize
+from aserve.traces import Trace, TraceRequest
+
+TRACE = [  # 6 requests, short outputs; one with prompt text, one long enough for several chunks
+    {"timestamp": 0.0, "prompt_tokens": 40, "output_tokens": 6},
+    {"timestamp": 0.1, "prompt_tokens": 300, "output_tokens": 8},
+    {"timestamp": 0.2, "prompt_tokens": 20, "output_tokens": 8},
+    {"timestamp": 0.3, "prompt": "Tell me a story about a dragon.", "output_tokens": 5},
+    {"timestamp": 0.4, "prompt_tokens": 150, "output_tokens": 1},
+    {"timestamp": 0.5, "prompt_tokens": 64, "output_tokens": 8},
+]
+SYSTEM_KEYS = {"completed", "failed", "aborted", "clipped", *LATENCIES, "throughput_rps", "output_tokens_per_s",
+               "goodput_rps", "resource_usage_s", "perf_per_dollar_vs_first", "stalls", "padding_tokens",
+               "kv_bytes_moved", "flips"}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="aserve")
+    add_replay_parsers(p.add_subparsers(dest="command", required=True))
+    return p
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("replay")
+    trace = tmp / "tiny.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in TRACE))
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: why is the sky blue?"}) + "\n" for i in range(5)))
+    args = parser().parse_args([
+        "replay", str(trace), "--prompts", str(prompts), "--max-output-tokens", "7",
+        "--compare", "tetri: --mode disagg --prefill 1 --decode 1 ; vllm: --mode coupled --instances 2 --batching vllm",
+        "--kv-cache-gb", "0.05", "--chunk-size", "128", "--json", str(tmp / "out.json"), "--plots", str(tmp / "plots"),
+        "--slo", "ttft=30,tbt=5", "--no-progress"])
+    rc = args.func(args)
+    return rc, json.loads((tmp / "out.json").read_text()), tmp
+
+
+@pytest.mark.slow
+def test_compare_replay_completes_every_request(replayed):
+    rc, report, _ = replayed
+    assert rc == 0
+    assert list(report["systems"]) == ["tetri", "vllm"]
+    assert report["trace"]["num_requests"] == 6 and report["trace"]["num_clipped"] == 3
+    assert any("--max-output-tokens 7: 3 requests" in c for c in report["trace"]["changes"])
+    for s in report["systems"].values():
+        assert (s["completed"], s["failed"], s["aborted"], s["clipped"]) == (6, 0, 0, 3)
+        assert s["output_tokens"] == 6 + 7 + 7 + 5 + 1 + 7  # exactly the fitted lengths
+
+
+@pytest.mark.slow
+def test_report_shape_and_sane_numbers(replayed):
+    _, report, _ = replayed
+    assert set(report) == {"trace", "systems"}
+    for name, s in report["systems"].items():
+        assert SYSTEM_KEYS <= set(s), SYSTEM_KEYS - set(s)
+        for key in ("ttft", "tbt", "jct", "normalized_latency"):
+            assert set(s[key]) == {"mean", "p50", "p90", "p99"} and s[key]["p50"] <= s[key]["p99"]
+        assert 0 < s["ttft"]["mean"] <= s["jct"]["mean"] and s["ttft"]["p99"] <= s["jct"]["p99"]
+        assert s["throughput_rps"] > 0 and s["output_tokens_per_s"] > 0 and s["resource_usage_s"] > 0
+        assert 0 <= s["goodput_rps"] <= s["throughput_rps"]
+        assert s["flips"] == 0 and s["stalls"]["count"] >= 0
+    tetri, vllm = report["systems"]["tetri"], report["systems"]["vllm"]
+    assert tetri["perf_per_dollar_vs_first"] == 1.0 and vllm["perf_per_dollar_vs_first"] > 0
+    assert tetri["kv_bytes_moved"] > 0 and vllm["kv_bytes_moved"] == 0  # only disagg hands KV over
+    assert tetri["padding_tokens"] > 0 and vllm["padding_tokens"] == 0
+    assert tetri["queue_time"] is not None  # prefill instances stamp "scheduled"
+
+
+@pytest.mark.slow
+def test_blocks_return_and_plots_written(replayed):
+    _, report, tmp = replayed
+    for s in report["systems"].values():
+        assert {i["role"] for i in s["instances"]} <= {"prefill", "decode", "coupled"}
+        for inst in s["instances"]:
+            assert inst["free_blocks_end"] == inst["free_blocks_start"], inst
+    for name in ("cdf.png", "timeline.png", "relative.png"):
+        assert (tmp / "plots" / name).stat().st_size > 10_000
+
+
+# ---- without a model ------------------------------------------------------------------------------
+def test_compare_parsing_layers_over_the_command_line():
+    base = parser().parse_args(["replay", "t.jsonl", "--kv-cache-gb", "0.1", "--chunk-size", "256"])
+    a, b = parse_compare("a: --mode disagg --decode 2 ; b: --mode coupled --batching vllm --chunk-size 64", base)
+    assert (a.name, a.cluster.num_decode, a.cluster.chunk_size, a.engine.kv_cache_gb) == ("a", 2, 256, 0.1)
+    assert (b.cluster.mode, b.engine.batching, b.cluster.chunk_size) == ("coupled", "vllm", 64)
+    for bad, match in (("x: --dtype fp32", "cannot differ"), ("x: --bogus 1", "unknown flags"), ("--mode disagg", "NAME"),
+                       ("x: --decode two", "decode"), ("x: ; x: --mode coupled", "distinct")):
+        with pytest.raises(ValueError, match=match):
+            parse_compare(bad, base)
+
+
+def test_slo_parsing():
+    assert parse_slo("ttft=1,tbt=200ms") == {"ttft": 1.0, "tbt": 0.2}
+    with pytest.raises(ValueError, match="KEY"):
+        parse_slo("latency=1")
+
+
+def record(i, arrival, times, status="completed"):
+    return RequestRecord(i, 10, len(times), arrival, status, arrival + 0.01, times[0] if times else None,
+                         times[-1] if times else None, tuple(times))
+
+
+def test_summarize_hand_made_records():
+    recs = (record(0, 0.0, [0.5, 0.6, 0.7, 0.8]), record(1, 1.0, [1.2, 1.3, 2.3]), record(2, 1.5, [], "failed"))
+    s = summarize(SystemRun("x", recs), {"ttft": 0.3})
+    assert (s["completed"], s["failed"]) == (2, 1)
+    assert s["ttft"]["mean"] == pytest.approx(0.35) and s["jct"]["p50"] == pytest.approx(1.05)
+    assert s["stalls"]["count"] == 1 and s["stalls"]["seconds"] == pytest.approx(1.0)  # the 1.0 s gap > 5 x 0.1
+    assert s["throughput_rps"] == pytest.approx(2 / 2.3) and s["goodput_rps"] == pytest.approx(1 / 2.3)
+    report = build_report({"source": "t"}, [SystemRun("x", recs), SystemRun("y", recs)])
+    assert report["systems"]["y"]["resource_usage_s"] is None  # no instances (e.g. over HTTP)
+
+
+def test_drive_respects_arrivals_and_timeout():
+    trace = Trace(tuple(TraceRequest(t, 5, 2) for t in (0.0, 0.05, 0.1, 5.0)), "t", "test")
+    started = []
+
+    async def send(i):
+        loop = asyncio.get_running_loop()
+        started.append(loop.time())
+        try:
+            await asyncio.sleep(0.05 if i < 2 else 10)
+            return RequestRecord(i, 5, 2, 0.0, "completed")
+        except asyncio.CancelledError:
+            return RequestRecord(i, 5, 2, 0.0, "aborted")
+
+    records = asyncio.run(drive(trace, send, timeout_s=0.5))
+    assert [r.status for r in records] == ["completed", "completed", "aborted", "aborted"]
+    assert len(started) == 3 and started[2] - started[0] == pytest.approx(0.1, abs=0.05)
+    assert "not sent" in records[3].error

@@ -1,0 +1,95 @@
+"""The HTTP replay client against a fake OpenAI-compatible server that streams token chunks."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer as FakeServer
+
+from aserve.replay_http import api_base, replay_http
+from aserve.report import summarize
+from aserve.traces import Trace, TraceRequest
+
+SEEN: list[dict] = []
+
+
+def chunk(text, finish=None) -> bytes:
+    obj = {"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": finish}], "usage": None}
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    SEEN.append(body)
+    if body["prompt"][0] == 999:
+        return web.json_response({"error": {"message": "prompt too long"}}, status=400)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    n = body["max_tokens"]
+    for i in range(n):
+        await asyncio.sleep(0.01)
+        held_back = body["prompt"][0] == 7 and i == 1  # a token whose text the server holds back
+        if not held_back:
+            await resp.write(chunk("tok" if i != 2 or body["prompt"][0] != 7 else "toktok"))
+    await resp.write(chunk("", "length"))
+    await resp.write(b"data: " + json.dumps({"choices": [], "usage": {"completion_tokens": n}}).encode() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+
+async def run_against_fake(trace: Trace, prompts):
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    server = FakeServer(app)
+    await server.start_server()
+    try:
+        return await replay_http(str(server.make_url("/v1")), "fake", trace, prompts)
+    finally:
+        await server.close()
+
+
+def test_http_replay_streams_and_times_tokens():
+    SEEN.clear()
+    trace = Trace((TraceRequest(0.0, 3, 4), TraceRequest(0.05, 2, 5), TraceRequest(0.1, 2, 3)), "t", "test")
+    run = asyncio.run(run_against_fake(trace, [[5, 6, 7], [7, 8], [999, 1]]))
+    ok, held, bad = run.records
+    assert (ok.status, ok.output_tokens, len(ok.token_times)) == ("completed", 4, 4)
+    assert ok.first_token_s - ok.arrival_s >= 0.009 and ok.finish_s >= ok.first_token_s
+    assert (held.status, held.output_tokens, len(held.token_times)) == ("completed", 5, 4)  # usage wins
+    assert bad.status == "failed" and "HTTP 400" in bad.error
+    body = SEEN[0]
+    assert body["model"] == "fake-model" and body["prompt"] == [5, 6, 7] and body["ignore_eos"] is True
+    assert body["max_tokens"] == 4 and body["temperature"] == 0 and body["stream"] is True
+    s = summarize(run)
+    assert (s["completed"], s["failed"]) == (2, 1) and s["resource_usage_s"] is None
+
+
+def test_api_base():
+    assert api_base("http://h:1/v1/") == api_base("http://h:1") == "http://h:1"
+    with pytest.raises(ValueError, match="--url"):
+        api_base("h:1")
+
+
+@pytest.mark.slow
+def test_http_replay_against_the_aserve_server():
+    """The real server (tests/api_support.py): exact output lengths, and its /v1/stats internals."""
+    api_support = pytest.importorskip("api_support", reason="tests/api_support.py (the aserve server harness) is absent")
+    from aserve.config import ClusterConfig
+    from aserve.workloads import PromptBuilder
+
+    trace = Trace(tuple(TraceRequest(0.1 * i, 20 + 40 * i, 5) for i in range(4)), "t", "test")
+    with api_support.ServerThread(ClusterConfig(mode="disagg")) as server:
+        prompts = PromptBuilder(api_support.bundle().tokenizer).build(trace.requests)
+        run = asyncio.run(replay_http(server.url, "aserve", trace, prompts))
+    assert [(r.status, r.output_tokens) for r in run.records] == [("completed", 5)] * 4
+    assert {i.role for i in run.instances} == {"prefill", "decode"}
+    assert all(i.free_blocks_end == i.free_blocks_start for i in run.instances)
+    s = summarize(run)
+    assert s["resource_usage_s"] > 0 and s["kv_bytes_moved"] > 0 and s["ttft"]["mean"] <= s["jct"]["mean"]

@@ -1,0 +1,215 @@
+"""Trace readers, fitting and the paper's workloads (no model needed)."""
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import pytest
+
+from aserve.traces import (FitOptions, RawTrace, TraceError, TraceRequest, detect_format, fit, load_trace,
+                           parse_azure_time, read_trace)
+from aserve.workloads import (CLASSES, HEAVY_DECODE, HEAVY_PREFILL, SHAREGPT_LENGTHS, PromptBuilder, length_class,
+                              make_workload, write_workload)
+from conftest import SHARED
+
+TRACES = SHARED / "data" / "traces"
+needs_data = pytest.mark.skipif(not TRACES.is_dir(), reason=f"shared traces not found at {TRACES}")
+
+
+def write(tmp_path, name: str, text: str):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ---- formats --------------------------------------------------------------------------------------
+def test_azure_csv(tmp_path):
+    path = write(tmp_path, "a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                                    "2023-11-16 18:15:50.9951690,396,109\n"
+                                    "2023-11-16 18:15:46.6805900,374,44\n")
+    raw = read_trace(path)
+    assert raw.format == "azure" and raw.timed
+    assert raw.requests[0] == TraceRequest(0.0, 374, 44)  # sorted by time, relative to the first
+    assert raw.requests[1].arrival_s == pytest.approx(4.314579, abs=1e-6)
+
+
+def test_azure_time_keeps_seven_digits():
+    assert parse_azure_time("2023-11-16 18:15:46.0000001")[1] == pytest.approx(1e-7, abs=1e-12)
+
+
+def test_azure_sub_microsecond_gaps(tmp_path):
+    path = write(tmp_path, "a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                                    "2023-11-16 18:15:46.9999999,1,1\n2023-11-16 18:15:47.0000002,1,1\n")
+    assert read_trace(path).requests[1].arrival_s == pytest.approx(3e-7, abs=1e-12)
+
+
+def test_lengths_csv(tmp_path):
+    path = write(tmp_path, "l.csv", "num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio\n10,5,15,2\n7,0,7,0\n")
+    raw = read_trace(path)
+    assert raw.format == "lengths" and not raw.timed
+    assert [(r.prompt_tokens, r.output_tokens) for r in raw.requests] == [(10, 5), (7, 1)]  # output >= 1
+
+
+def test_mooncake_jsonl(tmp_path):
+    rows = [{"timestamp": 0, "input_length": 6955, "output_length": 52, "hash_ids": [0, 1, 2]},
+            {"timestamp": 1500, "input_length": 100, "output_length": 7, "hash_ids": [3]}]
+    path = write(tmp_path, "m.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    raw = read_trace(path)
+    assert raw.format == "mooncake"
+    assert raw.requests[1] == TraceRequest(1.5, 100, 7)
+
+
+def test_aserve_jsonl_text_and_counts(tmp_path):
+    rows = [{"timestamp": 0.5, "prompt_tokens": 12, "output_tokens": 3},
+            {"timestamp": 1.0, "prompt": "one two three", "output_tokens": 4}]
+    path = write(tmp_path, "a.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(TraceError, match="tokenizer"):
+        read_trace(path)
+    raw = read_trace(path, count_tokens=lambda text: len(text.split()))
+    assert raw.format == "aserve"
+    assert raw.requests[0] == TraceRequest(0.0, 12, 3)
+    assert raw.requests[1] == TraceRequest(0.5, 3, 4, "one two three")
+
+
+@pytest.mark.parametrize("name,text,match", [
+    ("bad.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,abc,3\n", "ContextTokens"),
+    ("bad.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,3,3\n", "TIMESTAMP"),
+    ("bad.csv", "num_prefill_tokens,num_decode_tokens\n5,-1\n", "num_decode_tokens"),
+    ("bad.csv", "a,b\n1,2\n", "unknown CSV header"),
+    ("bad.jsonl", '{"input_length": 5, "output_length": 3}\n', "timestamp"),
+    ("bad.jsonl", '{"timestamp": 0, "prompt_tokens": 5}\n', "unknown JSONL"),
+    ("bad.jsonl", '{"timestamp": 0, "prompt_tokens": 5, "output_tokens": 1}\n{"prompt_tokens": 5, "output_tokens": 1}\n',
+     "every line or on none"),
+    ("bad.jsonl", '{"output_tokens": 3}\n', "prompt_tokens"),
+    ("bad.txt", "hello\n", "extension"),
+])
+def test_bad_files_name_the_file_and_field(tmp_path, name, text, match):
+    path = write(tmp_path, name, text)
+    with pytest.raises(TraceError, match=match) as e:
+        read_trace(path)
+    assert str(path) in str(e.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        read_trace(tmp_path / "nope.csv")
+
+
+@needs_data
+def test_real_shared_traces_first_rows():
+    conv = read_trace(TRACES / "azure2023_conv.csv")
+    assert conv.format == "azure" and len(conv.requests) == 19366
+    assert conv.requests[0] == TraceRequest(0.0, 374, 44)
+    assert conv.requests[1].arrival_s == pytest.approx(4.314579, abs=1e-6)
+    code = read_trace(TRACES / "azure2023_code.csv")
+    assert (code.requests[0].prompt_tokens, code.requests[0].output_tokens) == (4808, 10)
+    share = read_trace(TRACES / "sharegpt8k_lengths_llama2tok.csv")
+    assert share.format == "lengths" and share.requests[0] == TraceRequest(0.0, 74, 918)
+    assert detect_format(TRACES / "arxiv_summarization_lengths_llama2tok.csv") == "lengths"
+
+
+# ---- fitting --------------------------------------------------------------------------------------
+def raw(lengths, times=None):
+    times = times or [0.0] * len(lengths)
+    return RawTrace(tuple(TraceRequest(t, p, o) for t, (p, o) in zip(times, lengths)), "test", times is not None)
+
+
+def test_fit_selects_and_rescales_time():
+    r = raw([(10, 2)] * 5, [0.0, 1.0, 2.0, 3.0, 4.0])
+    t = fit(r, FitOptions(num_requests=3, time_scale=0.5))
+    assert [x.arrival_s for x in t.requests] == [0.0, 0.5, 1.0]
+    assert any("first 3 of 5" in c for c in t.changes) and any("x0.5" in c for c in t.changes)
+    t = fit(r, FitOptions(rate=2.0))  # 1 req/s -> 2 req/s
+    assert t.requests[-1].arrival_s == pytest.approx(2.0)
+
+
+def test_fit_draws_seeded_arrivals_for_untimed_traces():
+    r = RawTrace(tuple(TraceRequest(0.0, 10, 2) for _ in range(2000)), "lengths", False)
+    a, b = fit(r, FitOptions(rate=4.0, seed=1)), fit(r, FitOptions(rate=4.0, seed=1))
+    assert a.requests == b.requests
+    assert (len(a.requests) - 1) / a.requests[-1].arrival_s == pytest.approx(4.0, rel=0.1)
+    bursty = fit(r, FitOptions(rate=4.0, burstiness=0.25, seed=1))
+    gaps = [y.arrival_s - x.arrival_s for x, y in zip(bursty.requests, bursty.requests[1:])]
+    mean = sum(gaps) / len(gaps)
+    cv = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
+    assert cv > 1.5  # Gamma shape 1/4: coefficient of variation 2
+    assert fit(r, FitOptions()).changes == ("no arrival times and no --rate: every request arrives at t=0",)
+
+
+def test_fit_option_checks():
+    with pytest.raises(ValueError, match="not both"):
+        FitOptions(rate=1.0, time_scale=2.0)
+    with pytest.raises(ValueError, match="burstiness"):
+        fit(raw([(1, 1)] * 2, [0.0, 1.0]), FitOptions(burstiness=0.5))
+    with pytest.raises(ValueError):
+        FitOptions(num_requests=0)
+
+
+def test_fit_clips_and_counts():
+    r = raw([(100, 10), (5000, 10), (10, 900), (8000, 500), (20, 20)], [0.0, 1.0, 2.0, 3.0, 4.0])
+    t = fit(r, FitOptions(max_prompt_tokens=6000, max_output_tokens=800, context_window=4096))
+    got = [(x.prompt_tokens, x.output_tokens) for x in t.requests]
+    assert got == [(100, 10), (4086, 10), (10, 800), (3596, 500), (20, 20)]
+    assert t.clipped == frozenset({1, 2, 3}) and t.num_clipped == 3
+    text = "\n".join(t.changes)
+    assert "--max-prompt-tokens 6000: 1 requests" in text
+    assert "--max-output-tokens 800: 1 requests" in text
+    assert "context of 4096 tokens: 2 requests" in text
+    assert all(x.prompt_tokens + x.output_tokens <= 4096 for x in t.requests)
+
+
+def test_fit_length_scale():
+    t = fit(raw([(100, 10), (3, 1)], [0.0, 1.0]), FitOptions(length_scale=0.5))
+    assert [(x.prompt_tokens, x.output_tokens) for x in t.requests] == [(50, 5), (2, 1)]
+    assert t.num_clipped == 0 and any("x0.5" in c for c in t.changes)
+
+
+# ---- workloads and prompts ------------------------------------------------------------------------
+@needs_data
+@pytest.mark.parametrize("name", CLASSES)
+def test_workload_classes_respect_thresholds(name):
+    pairs = make_workload(name, 64, seed=3)
+    assert len(pairs) == 64
+    for cls, r in pairs:
+        assert cls == name == length_class(r.prompt_tokens, r.output_tokens)
+        assert (r.prompt_tokens > HEAVY_PREFILL) == (name[0] == "H")
+        assert (r.output_tokens > HEAVY_DECODE) == (name[2] == "H")
+    assert make_workload(name, 64, seed=3) == pairs
+
+
+@needs_data
+def test_mixed_workload_round_trips(tmp_path):
+    pairs = make_workload("mixed", 10, rate=2.0)
+    assert sorted(Counter(c for c, _ in pairs).values()) == [2, 2, 3, 3]
+    path = write_workload(pairs, tmp_path / "Mixed.jsonl")
+    t = load_trace(path)
+    assert t.format == "aserve" and t.requests == tuple(r for _, r in pairs)
+
+
+def test_workload_needs_the_length_table(tmp_path):
+    with pytest.raises(FileNotFoundError, match="length table"):
+        make_workload("LPLD", 4, lengths_path=tmp_path / "missing.csv")
+    with pytest.raises(ValueError, match="unknown workload"):
+        make_workload("XYZ", 4, lengths_path=SHAREGPT_LENGTHS)
+
+
+class FakeTokenizer:
+    all_special_ids = [0, 1, 2]
+
+    def __len__(self):
+        return 50
+
+    def encode(self, text, add_special_tokens=False):
+        return [3 + (hash(w) % 40) for w in text.split()]
+
+
+def test_prompt_builder_random_and_text(tmp_path):
+    b = PromptBuilder(FakeTokenizer(), seed=0)
+    ids = b.token_ids(TraceRequest(0.0, 37, 1))
+    assert len(ids) == 37 and not set(ids) & {0, 1, 2}
+    assert len(b.token_ids(TraceRequest(0.0, 2, 1, "a b c d e"))) == 2  # cut
+    assert len(b.token_ids(TraceRequest(0.0, 9, 1, "a b c"))) == 9  # extended
+    prompts = write(tmp_path, "p.jsonl", "".join(json.dumps({"prompt": f"w{i} x y"}) + "\n" for i in range(4)))
+    b = PromptBuilder(FakeTokenizer(), prompts, seed=0)
+    assert [len(x) for x in b.build([TraceRequest(0.0, n, 1) for n in (2, 10, 3)])] == [2, 10, 3]
