@@ -33,7 +33,8 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
     g.add_argument("--instances", type=int, default=2, help="coupled instances (coupled)")
     g.add_argument("--prefill-policy", default="fcfs", help="fcfs | sjf | ljf")
     g.add_argument("--prefill-sched-batch", type=int, default=16)
-    g.add_argument("--chunk-size", type=int, default=512, help="fixed prefill chunk, tokens")
+    g.add_argument("--chunk-size", type=int, default=None,
+                   help="fixed prefill chunk, tokens (default: the saturate_chunk 'aserve bench engine' measured, else 512)")
     g.add_argument("--no-pad", action="store_true", help="do not pad the last chunk to the chunk size")
     g.add_argument("--dispatch", default="interference",
                    help="interference | random | round-robin | least-loaded | imbalance")
@@ -48,10 +49,12 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
 
 def cluster_config(a: argparse.Namespace):
     from aserve.config import ClusterConfig
+    from aserve.profile_store import saturate_chunk
 
+    chunk = a.chunk_size or saturate_chunk(a.cache_dir, a.model, a.device, a.dtype)
     return ClusterConfig(mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, num_coupled=a.instances,
                          prefill_policy=a.prefill_policy, prefill_sched_batch=a.prefill_sched_batch,
-                         chunk_size=a.chunk_size, pad=not a.no_pad, dispatch=a.dispatch, decode_policy=a.decode_policy,
+                         chunk_size=chunk, pad=not a.no_pad, dispatch=a.dispatch, decode_policy=a.decode_policy,
                          preemption=a.preemption, predictor=a.predictor, link=a.link, emulate_model=a.emulate_model,
                          emulate_kv_bytes_per_token=a.emulate_kv_bytes_per_token,
                          monitor_interval_s=a.monitor_interval, seed=a.seed)

@@ -142,6 +142,10 @@ def run_engine_bench(cfg: EngineConfig, json_path: str | None, quick: bool = Fal
         "roofline_decode_step_ms": roof_ms, "decode_step_vs_roofline": decode[1]["step_ms"] / roof_ms, **gen,
     }
     _print(console, result)
+    if not quick:
+        from aserve.profile_store import save_saturate_chunk
+
+        save_saturate_chunk(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, prefill["saturate_chunk"])
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
