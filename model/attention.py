@@ -67,6 +67,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMeta, scale: float, backend: str) -> torch.Tensor:
     """q: [T, H, D] (after RoPE); returns [T, H, D]. K/V of this step must already be written."""
+    t = q.shape[0]
+    # common shapes first: a pure decode batch or one lone chunk needs no output scatter
+    if not meta.prefills and meta.num_decode_tokens == t:
+        return _decode_batch(q, k_cache, v_cache, meta, scale, backend)
+    if len(meta.prefills) == 1 and not meta.num_decode_tokens and meta.prefills[0].end == t:
+        return _prefill_one(q, k_cache, v_cache, meta.prefills[0], scale, backend)
     out = torch.zeros_like(q)
     for seq in meta.prefills:
         out[seq.start:seq.end] = _prefill_one(q[seq.start:seq.end], k_cache, v_cache, seq, scale, backend)
