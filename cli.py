@@ -138,7 +138,9 @@ def _generate_cluster(a: argparse.Namespace, sp) -> str:
             req = await cluster.generate(ids, sp)
             return cluster.stops.text(req)
 
-    return asyncio.run(run())
+    from aserve.aio import run as run_loop
+
+    return run_loop(run())
 
 
 def _chat_loop(llm, sp) -> int:

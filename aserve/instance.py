@@ -113,6 +113,11 @@ class Instance:
             out = await self._run(self._chunk_step(plan))
             self.num_prefill_tokens += plan.num_real_tokens
             self.num_pad_tokens += plan.num_pad_tokens
+            now = self.cluster.clock.now()
+            for s in plan.slices:  # per-request chunk timestamps: (end time, tokens of this request)
+                req = self.prefill._requests.get(s.request_id)
+                if req is not None:
+                    req.times.setdefault("chunks", []).append((now, s.num_tokens))
             for req in self.prefill.commit(plan, out.sampled):
                 self.cluster.on_prefill_done(self, req)
 

@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import cli
+from aserve.aio import run as run_loop
 
 BUNDLE_FLAGS = ("model", "dtype", "device", "attention", "cache_dir")
 
@@ -162,7 +163,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
     builder = PromptBuilder(tokenizer, Path(a.prompts) if a.prompts else None, a.seed)
     prompts = builder.build(trace.requests)
     with ReplayProgress(a.progress) as progress:
-        runs = asyncio.run(_run(a, specs, trace, prompts, bundle, progress))
+        runs = run_loop(_run(a, specs, trace, prompts, bundle, progress))
     summary = {**trace.summary(), "prompts": builder.source, "target": a.url or "in-process"}
     report = build_report(summary, runs, slo, trace.num_clipped)
     print_report(report)
