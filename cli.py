@@ -94,8 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--quick", action="store_true", help="fewer sizes and steps (smoke test)")
     add_engine_args(be)
     be.set_defaults(func=cmd_bench_engine)
+    from aserve.api import add_serve_parser
     from aserve.replay import add_replay_parsers
 
+    add_serve_parser(sub)
     add_replay_parsers(sub)
     return p
 

@@ -19,13 +19,16 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from aiohttp import web
 
 from aserve.api_generate import generate
 from aserve.api_validate import ApiError
 from aserve.metrics import ServerMetrics, snapshot
+
+if TYPE_CHECKING:
+    from aserve.cluster import Cluster
 
 log = logging.getLogger("aserve.api")
 MIB = 2**20
@@ -55,11 +58,11 @@ class ServerSettings:
 class ServeContext:
     """What the handlers share: the cluster, the settings, and the server's own small state."""
 
-    cluster: object
+    cluster: "Cluster"
     settings: ServerSettings
     served_name: str
     model_names: frozenset
-    metrics: ServerMetrics = None
+    metrics: Optional[ServerMetrics] = None
     tokenizer_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "aserve-tokenize"))
     pool_tokens: int = 0  # most tokens one request may reach: the smallest instance pool, less a slot
     draining: bool = False
@@ -93,12 +96,13 @@ async def _errors(request: web.Request, handler):
         return await handler(request)
     except ApiError as e:
         return _error_response(e)
-    except web.HTTPException as e:
+    except web.HTTPException as e:  # aiohttp's own: unknown route (404), wrong method (405)
         if e.status < 400:
             raise
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        headers = {k: v for k, v in e.headers.items() if k == "Allow"}
         return _error_response(ApiError(e.status, f"{e.reason}: {request.method} {request.path[:100]}",
-                                        type_=kind, headers={"Allow": e.headers["Allow"]} if "Allow" in e.headers else None))
+                                        type_=kind, headers=headers))
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:

@@ -39,9 +39,13 @@ async def read_body(request: web.Request, limit: int) -> bytes:
         raise too_big from None
 
 
-async def generate(ctx: "ServeContext", request: web.Request, kind: str) -> web.StreamResponse:
+def _refuse_if_draining(ctx: "ServeContext") -> None:
     if ctx.draining:
         raise ApiError(503, "the server is shutting down", type_="server_unavailable", code="draining")
+
+
+async def generate(ctx: "ServeContext", request: web.Request, kind: str) -> web.StreamResponse:
+    _refuse_if_draining(ctx)
     body = parse_json(await read_body(request, ctx.settings.max_body_bytes))
     req = validate(kind, body, ctx.cluster.bundle.args.vocab_size)
     if req.model not in ctx.model_names:
@@ -105,6 +109,7 @@ def _too_long(req: GenerationRequest, num_prompt: int, max_tokens: int, limit: i
 
 def _submit(ctx: "ServeContext", req: GenerationRequest, ids: list[int], max_tokens: int) -> "Handle":
     """Back-pressure check and submit, with no await in between (the count stays true)."""
+    _refuse_if_draining(ctx)  # again: shutdown may have begun while the prompt was tokenised
     limit = ctx.settings.max_queued_requests
     if limit and num_waiting_requests(ctx.cluster) >= limit:
         raise ApiError(429, f"too many requests waiting (limit {limit}); retry later", type_="rate_limit_error",

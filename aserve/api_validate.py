@@ -209,7 +209,7 @@ def _message(i: int, m: Any) -> dict:
         if key in ("role", "content"):
             continue
         if key not in _MESSAGE_NOOPS or not _MESSAGE_NOOPS[key](value):
-            raise ApiError(400, f"messages[{i}].{_short(key)} is not supported", f"messages[{i}].{key[:64]}")
+            raise ApiError(400, f"messages[{i}].{key[:64]} is not supported", f"messages[{i}].{key[:64]}")
     if "content" not in m:
         raise ApiError(400, f"messages[{i}].content is required", f"messages[{i}].content")
     return {"role": ROLES[role], "content": _content(i, m["content"])}

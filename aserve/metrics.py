@@ -134,7 +134,7 @@ class _ClusterCollector:
                                         labels=["src", "dst", "outcome"])
         in_flight = GaugeMetricFamily("aserve:kv_transfers_in_flight", "KV transfers on the link", labels=["src", "dst"])
         for link in links:
-            for outcome in ("done", "aborted", "failed"):
+            for outcome in ("done", "failed"):  # failed: raised, cancelled (request aborted) or bad blocks
                 transfers.add_metric([link["src"], link["dst"], outcome], link[f"num_{outcome}"])
             in_flight.add_metric([link["src"], link["dst"]], link["in_flight"])
         yield transfers
