@@ -1,0 +1,112 @@
+"""The API through the real ``openai`` client: chat and completions, streaming and not, usage."""
+import json
+
+import openai
+import pytest
+
+from aserve.config import ClusterConfig
+from tests.api_support import ServerThread, bundle
+
+pytestmark = pytest.mark.slow
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerThread(ClusterConfig(mode="coupled", num_coupled=1)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _stream_chat(client, **kw):
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None, "usage chunk comes last"
+    assert all(c.usage is None for c in chunks[:-1])
+    return text, reasons, chunks[-1].usage
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list()] == ["smollm2-135m-instruct"]
+    status, _, body = server.request("GET", "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "default"])
+def test_chat_streamed_equals_unstreamed(client, model):
+    kw = dict(model=model, messages=QUESTION, max_tokens=16, temperature=0)
+    full = client.chat.completions.create(**kw)
+    choice = full.choices[0]
+    assert "Paris" in choice.message.content and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert full.usage.prompt_tokens == len(bundle().encode(QUESTION))
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    text, reasons, usage = _stream_chat(client, **kw)
+    assert text == choice.message.content
+    assert reasons == [choice.finish_reason]
+    assert usage.model_dump() == full.usage.model_dump()
+
+
+def test_completion_streamed_equals_unstreamed(client):
+    kw = dict(model="default", prompt="The capital of France is", max_tokens=12, temperature=0, ignore_eos=True)
+    full = client.completions.create(extra_body={"ignore_eos": True},
+                                     **{k: v for k, v in kw.items() if k != "ignore_eos"})
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12
+    chunks = list(client.completions.create(stream=True, extra_body={"ignore_eos": True},
+                                            **{k: v for k, v in kw.items() if k != "ignore_eos"}))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "Paris" in full.choices[0].text
+
+
+@pytest.mark.parametrize("stop", ["\n", ["aris", "zzz"]])
+def test_stop_strings_cut_the_text(client, stop):
+    kw = dict(model="default", prompt="The capital of France is", max_tokens=12, temperature=0, stop=stop)
+    full = client.completions.create(**kw)
+    text = full.choices[0].text
+    assert full.choices[0].finish_reason == "stop"
+    for s in [stop] if isinstance(stop, str) else stop:
+        assert s not in text
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == text
+
+
+def test_seeded_sampling_repeats(client):
+    kw = dict(model="default", messages=QUESTION, max_tokens=8, temperature=0.9, top_p=0.95, seed=7)
+    a = client.chat.completions.create(**kw).choices[0].message.content
+    b = client.chat.completions.create(**kw).choices[0].message.content
+    assert a == b
+
+
+def test_token_id_prompt(client):
+    ids = bundle().tokenizer.encode("The capital of France is")
+    by_ids = client.completions.create(model="default", prompt=ids, max_tokens=4, temperature=0)
+    by_text = client.completions.create(model="default", prompt="The capital of France is", max_tokens=4,
+                                        temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_metrics_and_stats_report_the_requests(server, client):
+    client.completions.create(model="default", prompt="Hello", max_tokens=3, temperature=0)
+    status, headers, body = server.request("GET", "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    text = body.decode()
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:num_requests_running{",
+                 "vllm:num_requests_waiting{", "vllm:kv_cache_usage_perc{", "vllm:num_preemptions_total{",
+                 "vllm:prompt_tokens_total{", "vllm:generation_tokens_total{", "aserve:pad_tokens_total{",
+                 "aserve:instance_busy_seconds_total{", "aserve:loop_lag_seconds", "aserve:flips_total 0.0",
+                 'aserve:requests_total{outcome="finished"}'):
+        assert name in text, name
+    assert 'instance="c0"' in text
+    snap = server.wait_idle()
+    (inst,) = snap["instances"]
+    assert inst["id"] == "c0" and inst["role"] == "coupled" and inst["device"] == "cpu"
+    assert inst["num_decode_tokens"] > 0 and inst["busy_s"] > 0
+    assert snap["counts"]["finished"] >= 1 and snap["links"] == []
