@@ -145,6 +145,7 @@ class Cluster:
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid!r}")
         req = Request(rid, list(prompt_token_ids), sampling, arrival_time=self.clock.now(), prompt_text=prompt_text)
+        self._check_capacity(req)
         req.times["arrival"] = req.arrival_time
         handle = Handle(req)
         self.requests[rid] = handle
@@ -161,6 +162,13 @@ class Cluster:
             inst.coupled.add(req)
         inst.notify()
         return handle
+
+    def _check_capacity(self, req: Request) -> None:
+        """Refuse, before the request enters the table, what no instance's KV pool could ever hold."""
+        need = -(-(req.max_total_tokens() + 1) // self.engine.block_size)
+        largest = max(i.blocks.num_blocks for i in self.instances.values())
+        if need > largest:
+            raise ValueError(f"prompt plus max_tokens needs {need} KV blocks; the largest instance has {largest}")
 
     async def stream(self, handle: Handle) -> AsyncIterator[TokenEvent]:
         """Token events of one request until its final event; abort it if the consumer goes away."""
@@ -202,7 +210,10 @@ class Cluster:
         return self.stops.check(req)
 
     def would_stop(self, request_id: str, token_id: int) -> bool:
-        req = self.requests[request_id].request
+        handle = self.requests.get(request_id)
+        if handle is None:  # aborted while the step ran: the scheduler's update skips it
+            return False
+        req = handle.request
         req.output_token_ids.append(token_id)
         try:
             return self.stops.check(req) is not None

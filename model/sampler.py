@@ -46,6 +46,7 @@ def _sample_row(row: torch.Tensor, spec: SampleSpec, generator: torch.Generator 
         cum = sorted_logits.softmax(-1).cumsum(-1)
         # drop a token when the tokens before it already reach top_p (the first always stays)
         drop = (cum - sorted_logits.softmax(-1)) >= spec.top_p
+        drop[0] = False  # the most likely token always stays, even when top_p rounds to 0
         row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = row.softmax(-1)
     if spec.seed is not None:
