@@ -97,8 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     from aserve.api import add_serve_parser
     from aserve.replay import add_replay_parsers
 
+    from predictors.cli import add_predictor_commands
+
     add_serve_parser(sub)
     add_replay_parsers(sub)
+    add_predictor_commands(sub)
     return p
 
 

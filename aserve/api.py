@@ -95,21 +95,10 @@ async def run_server(cluster, served_name: str, settings: ServerSettings = Serve
 
 # ---- command line -------------------------------------------------------------------------------
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``serve`` and its flags on the CLI's subparsers."""
-    from cli import add_engine_args
+    """Register ``serve`` and its flags (the CLI's engine and cluster flags, plus the server's)."""
+    from cli import add_cluster_args, add_engine_args
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, SSE, /metrics)")
-    c = p.add_argument_group("cluster")
-    c.add_argument("--mode", default="disagg", choices=("disagg", "coupled"),
-                   help="disagg: prefill and decode instances (TetriInfer); coupled: every instance does both")
-    c.add_argument("--prefill", type=int, default=None, help="prefill instances (disagg; default 1)")
-    c.add_argument("--decode", type=int, default=None, help="decode instances (disagg; default 1)")
-    c.add_argument("--instances", type=int, default=None, help="coupled instances (coupled; default 2)")
-    c.add_argument("--link", default="nvlink", help="emulated KV link between prefill and decode instances")
-    c.add_argument("--chunk-size", type=int, default=512, help="fixed prefill chunk (disagg)")
-    c.add_argument("--prefill-policy", default="fcfs", help="fcfs | sjf | ljf (disagg)")
-    c.add_argument("--dispatch", default="interference", help="decode-instance choice (disagg)")
-    c.add_argument("--decode-policy", default="greedy", help="greedy | reserve-static | reserve-dynamic (disagg)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
@@ -121,22 +110,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="429 once this many requests wait for their first token (0: no limit)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (then: abort)")
+    add_cluster_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
     return p
-
-
-def cluster_config(a: argparse.Namespace):
-    from aserve.config import ClusterConfig
-
-    if a.mode == "coupled" and (a.prefill is not None or a.decode is not None):
-        raise ValueError("--prefill/--decode are for --mode disagg; use --instances with --mode coupled")
-    if a.mode == "disagg" and a.instances is not None:
-        raise ValueError("--instances is for --mode coupled; use --prefill/--decode with --mode disagg")
-    return ClusterConfig(mode=a.mode, num_prefill=a.prefill or 1, num_decode=a.decode or 1,
-                         num_coupled=a.instances or 2, link=a.link, chunk_size=a.chunk_size,
-                         prefill_policy=a.prefill_policy, dispatch=a.dispatch, decode_policy=a.decode_policy,
-                         seed=a.seed)
 
 
 def server_settings(a: argparse.Namespace) -> ServerSettings:
@@ -147,7 +124,7 @@ def server_settings(a: argparse.Namespace) -> ServerSettings:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from cli import engine_config
+    from cli import cluster_config, engine_config
 
     engine, cluster_cfg, settings = engine_config(a), cluster_config(a), server_settings(a)
     if not 0 <= a.port <= 65535:
@@ -173,21 +150,3 @@ def _run_loop(coro) -> None:
         asyncio.run(coro)
         return
     uvloop.run(coro)
-
-
-def main(argv=None) -> int:
-    """``python -m aserve.api serve ...``: the same as ``aserve serve`` (handy before cli.py wires it)."""
-    from cli import EXIT_USAGE
-
-    parser = argparse.ArgumentParser(prog="aserve")
-    add_serve_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"aserve: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,6 +18,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 # Below this temperature sampling degenerates (logits / T overflows): treat it as greedy.
 GREEDY_EPS = 1e-5
+# A smaller top_p can round to 0 in float32, where the sampler would drop every token; this one
+# already keeps only the most likely token, which is what any smaller top_p means.
+MIN_TOP_P = 1e-6
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -59,8 +62,8 @@ class GenerationRequest:
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         temperature = 0.0 if self.temperature < GREEDY_EPS else self.temperature
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=self.top_p, top_k=self.top_k,
-                              seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos)
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=max(self.top_p, MIN_TOP_P),
+                              top_k=self.top_k, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos)
 
 
 # ---- JSON --------------------------------------------------------------------------------------

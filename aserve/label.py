@@ -37,14 +37,14 @@ def _check_args(temperature: float, samples: int, batch_size: int, max_tokens: i
         raise ValueError(f"limit must be >= 1, got {limit}")
 
 
-def _todo(prompts_path, out_path, limit: Optional[int]) -> list[PromptRow]:
-    prompts = labelling_order(load_prompts(prompts_path))
-    if limit is not None:
-        prompts = prompts[:limit]
-    if Path(out_path).is_file():
-        check_labels_match(read_labels(out_path), load_prompts(prompts_path))
-    done = done_ids(out_path)
-    return [p for p in prompts if p.id not in done]
+def _todo(prompts_path, out_path, limit: Optional[int]) -> tuple[list[PromptRow], int]:
+    """The prompts still to label (the first ``limit`` of the stable order, minus those done)."""
+    pool = load_prompts(prompts_path)
+    done = read_labels(out_path) if Path(out_path).is_file() else []
+    check_labels_match(done, pool)  # appending to another pool's labels would mix two data sets
+    done_set = {lab.id for lab in done}
+    prompts = labelling_order(pool)[:limit]
+    return [p for p in prompts if p.id not in done_set], len(done_set)
 
 
 def _label_batch(llm, batch: Sequence[PromptRow], sampling, samples: int, progress) -> list[dict]:
@@ -76,44 +76,47 @@ def _split_fitting(llm, batch: Sequence[PromptRow], max_tokens: int) -> tuple[li
 
 def label_prompts(prompts_path, out_path, engine_cfg, temperature: float = 0.0, top_p: float = 1.0,
                   samples: int = 1, batch_size: int = 256, limit: Optional[int] = None,
-                  max_tokens: int = 1024, quiet: bool = False) -> dict:
+                  max_tokens: int = 1024, quiet: bool = False, llm=None) -> dict:
     """Label prompts with the served model's output lengths, appending to ``out_path``; resumes.
 
+    ``llm``: an already loaded ``LLM`` to reuse (else one is built from ``engine_cfg``).
     Returns a summary: prompts labelled now, skipped as too long, already done, tokens, seconds.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     from aserve.engine import LLM
     from scheduling.request import SamplingParams
 
     _check_args(temperature, samples, batch_size, max_tokens, limit)
-    todo = _todo(prompts_path, out_path, limit)
-    summary = {"labelled": 0, "too_long": 0, "already_done": len(done_ids(out_path)), "tokens": 0, "seconds": 0.0}
-    if not todo:
-        return summary
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
-    llm = LLM(engine_cfg)
-    out_path = Path(out_path)
+    todo, num_done = _todo(prompts_path, out_path, limit)
+    summary = {"labelled": 0, "too_long": 0, "already_done": num_done, "tokens": 0, "seconds": 0.0}
+    if todo:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+        _run(llm or LLM(engine_cfg), todo, Path(out_path), sampling, samples, batch_size, quiet, summary)
+    return summary
+
+
+def _run(llm, todo: list[PromptRow], out_path: Path, sampling, samples: int, batch_size: int, quiet: bool,
+         summary: dict) -> None:
+    """The labelling loop: one engine call per batch, its lines appended and flushed at once."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     out_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     columns = (TextColumn("labelling"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
                TimeRemainingColumn())
     with Progress(*columns, disable=quiet) as bar, out_path.open("a") as f:
         task = bar.add_task("labelling", total=len(todo), rate="")
+
+        def tick(_num_done: int, num_tokens: int) -> None:  # the engine calls this after every step
+            summary["tokens"] += num_tokens
+            rate = summary["tokens"] / max(time.perf_counter() - start, 1e-9)
+            bar.update(task, rate=f"{rate:,.0f} tok/s (prefill + decode)")
+
         for i in range(0, len(todo), batch_size):
-            batch, too_long = _split_fitting(llm, todo[i:i + batch_size], max_tokens)
-            summary["too_long"] += too_long
-
-            def tick(_n_done, n_tokens):
-                summary["tokens"] += n_tokens
-                rate = summary["tokens"] / max(time.perf_counter() - start, 1e-9)
-                bar.update(task, rate=f"{rate:,.0f} tok/s")
-
+            batch, too_long = _split_fitting(llm, todo[i:i + batch_size], sampling.max_tokens)
             rows = _label_batch(llm, batch, sampling, samples, tick) if batch else []
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-            f.flush()
+            f.write("".join(json.dumps(row) + "\n" for row in rows))
+            f.flush()  # a killed run loses at most the batch in flight
             summary["labelled"] += len(rows)
+            summary["too_long"] += too_long
             bar.update(task, advance=len(batch) + too_long)
     summary["seconds"] = round(time.perf_counter() - start, 2)
-    return summary

@@ -72,7 +72,7 @@ TABLE = [  # (path, body, status, error.param)
     (CHAT, chat(max_tokens=9000), 400, "messages"), (COMPLETION, comp(max_tokens=8192), 400, "prompt"),
     (CHAT, chat(temperature=-0.1), 400, "temperature"), (CHAT, chat(temperature=2.5), 400, "temperature"),
     (CHAT, chat(temperature="hot"), 400, "temperature"), (CHAT, chat(top_p=0), 400, "top_p"),
-    (CHAT, chat(top_p=1.5), 400, "top_p"), (CHAT, chat(top_k=-2), 400, "top_k"), (CHAT, chat(top_k=1.5), 400, "top_k"),
+    (CHAT, chat(top_p=1.5), 400, "top_p"), (CHAT, chat(top_p=-1e-300), 400, "top_p"), (CHAT, chat(top_k=-2), 400, "top_k"), (CHAT, chat(top_k=1.5), 400, "top_k"),
     (CHAT, chat(seed="x"), 400, "seed"), (CHAT, chat(seed=2**70), 400, "seed"),
     (CHAT, chat(stop=5), 400, "stop"), (CHAT, chat(stop=[""]), 400, "stop"), (CHAT, chat(stop=["a"] * 17), 400, "stop"),
     (CHAT, chat(ignore_eos="yes"), 400, "ignore_eos"), (CHAT, chat(stream="yes"), 400, "stream"),
@@ -101,6 +101,14 @@ def test_validation_table(server, path, body, status, param):
 def test_noop_values_are_accepted(server, extra):
     status, _, body = server.request("POST", CHAT, chat(**extra))
     assert status == 200, body
+
+
+@pytest.mark.parametrize("extra", [dict(top_p=2.2e-309, temperature=1.0), dict(temperature=1e-300),
+                                   dict(temperature=2, top_k=1), dict(seed=2**64 - 1), dict(seed=-2**63)])
+def test_extreme_sampling_values_are_served(server, extra):
+    status, _, body = server.request("POST", CHAT, chat(**extra), timeout=60)
+    assert status == 200, body
+    assert server.request("GET", "/health")[0] == 200
 
 
 def test_routes_and_methods(server):
@@ -174,7 +182,7 @@ def _short_generation(body):
 def test_fuzz_never_5xx(server, case):
     path, body = case
     raw = body if isinstance(body, bytes) else json.dumps(_short_generation(body)).encode()
-    status, headers, got = server.request("POST", path, raw)
+    status, headers, got = server.request("POST", path, raw, timeout=60)
     assert status < 500, (status, got[:300], raw[:300])
     event(f"status {status}")
     if status >= 400:
@@ -183,7 +191,8 @@ def test_fuzz_never_5xx(server, case):
         assert json.loads(got)["usage"]["completion_tokens"] <= 5
 
 
-def test_fuzz_leaves_no_blocks_behind(server):
+def test_fuzz_leaves_the_engine_alive_and_idle(server):
+    assert server.request("GET", "/health")[0] == 200
     server.wait_idle()
 
 

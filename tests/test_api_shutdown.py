@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def served():
-    cmd = [sys.executable, "-m", "aserve.api", "serve", "--mode", "coupled", "--instances", "1", "--port", "0",
+    cmd = [sys.executable, "cli.py", "serve", "--mode", "coupled", "--instances", "1", "--port", "0",
            "--kv-cache-gb", "0.1", "--threads", "1", "--shutdown-timeout", "3"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})

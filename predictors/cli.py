@@ -1,0 +1,143 @@
+"""``aserve predictor train|eval`` and ``aserve label``: registered by ``add_predictor_commands``.
+
+    aserve label --out predictors/data/labels_smollm2.jsonl [--limit N --max-tokens 1024 ...]
+    aserve predictor train --backend sklearn --granularity 200 [--labels F --prompts F --out DIR]
+    aserve predictor eval --backend retrieval --json out.json [--prompts F --labels F]
+
+Bad input raises ValueError / FileNotFoundError naming the field; ``cli.main`` turns those into
+one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+from predictors.base import GRANULARITIES
+from predictors.dataset import DEFAULT_LABELS, DEFAULT_PROMPTS
+
+
+def add_predictor_commands(subparsers, engine_args: Optional[Callable] = None,
+                           engine_config: Optional[Callable] = None) -> None:
+    """Register ``predictor train``, ``predictor eval`` and ``label`` on an argparse subparsers object.
+
+    ``engine_args(parser)`` / ``engine_config(namespace)`` add and read the engine flags of
+    ``label`` (default: ``cli.add_engine_args`` and ``cli.engine_config``).
+    """
+    if engine_args is None or engine_config is None:
+        import cli
+
+        engine_args, engine_config = cli.add_engine_args, cli.engine_config
+    from predictors.registry import BACKENDS
+
+    p = subparsers.add_parser("predictor", help="train and evaluate output-length predictors")
+    psub = p.add_subparsers(dest="predictor_command", required=True)
+    t = psub.add_parser("train", help="fit a backend on the train split of a label file and save it")
+    _data_args(t, BACKENDS)
+    t.add_argument("--granularity", type=int, default=200, help="bucket width in tokens (paper: 100, 200, 400)")
+    t.add_argument("--out", default=None, help="artefact folder (default: under ~/.cache/aserve/predictors/)")
+    t.add_argument("--all", dest="use_all", action="store_true", help="train on every label, test split included")
+    t.set_defaults(func=cmd_train)
+    e = psub.add_parser("eval", help="score a backend on the test split at several granularities")
+    _data_args(e, BACKENDS)
+    e.add_argument("--json", required=True, help="write the report here")
+    e.add_argument("--granularities", default=",".join(map(str, GRANULARITIES)), help="comma-separated")
+    e.add_argument("--model-dir", default=None, help="load/save artefacts as DIR/g<granularity> (default: cache)")
+    e.add_argument("--retrain", action="store_true", help="fit again even when a trained artefact exists")
+    e.add_argument("--threads", type=int, default=1, help="torch threads while measuring (server: 1, parallel mode)")
+    e.add_argument("--latency-samples", type=int, default=200, help="single predictions timed for p50/p99")
+    e.set_defaults(func=cmd_eval)
+    _add_label_command(subparsers, engine_args, engine_config)
+
+
+def _add_label_command(subparsers, engine_args: Callable, engine_config: Callable) -> None:
+    lab = subparsers.add_parser("label", help="record the served model's output lengths for the prompt pool")
+    lab.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="prompts JSONL (id, source, prompt)")
+    lab.add_argument("--out", default=str(DEFAULT_LABELS), help="labels JSONL; appended to, resumed")
+    lab.add_argument("--limit", type=int, default=None, help="label the first N prompts of the stable order")
+    lab.add_argument("--max-tokens", type=int, default=1024)
+    lab.add_argument("--temperature", type=float, default=0.0)
+    lab.add_argument("--top-p", type=float, default=1.0)
+    lab.add_argument("--samples", type=int, default=1, help="outputs per prompt (needs --temperature > 0)")
+    lab.add_argument("--batch-size", type=int, default=256, help="prompts per engine call (and per file flush)")
+    engine_args(lab)
+    lab.set_defaults(func=lambda a: cmd_label(a, engine_config))
+
+
+def _data_args(p: argparse.ArgumentParser, backends) -> None:
+    p.add_argument("--backend", required=True, choices=list(backends))
+    p.add_argument("--labels", default=str(DEFAULT_LABELS), help="labels JSONL from 'aserve label'")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="prompts JSONL the labels refer to")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="backend option, e.g. --option num_layers=8 (repeatable; JSON values)")
+
+
+def parse_options(items: list[str]) -> dict:
+    """``["k=3", "pooling=last"]`` -> ``{"k": 3, "pooling": "last"}`` (values read as JSON when they parse)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"field 'option': expected KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _granularities(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"field 'granularities': expected integers like 100,200,400, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"field 'granularities': need integers >= 1, got {text!r}")
+    return values
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from predictors.train import TrainConfig, train_predictor
+
+    cfg = TrainConfig(a.backend, a.granularity, Path(a.labels), Path(a.prompts), Path(a.out) if a.out else None,
+                      use_all=a.use_all, options=parse_options(a.option))
+    _, _, summary = train_predictor(cfg)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    from predictors.evaluate import evaluate_backend
+
+    report = evaluate_backend(a.backend, a.prompts, a.labels, _granularities(a.granularities),
+                              Path(a.model_dir) if a.model_dir else None, a.retrain, parse_options(a.option),
+                              threads=a.threads, latency_samples=a.latency_samples)
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(report, indent=1))
+    _print_table(report)
+    return 0
+
+
+def _print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"length predictor '{report['backend']}' on {report['n_test']} test prompts")
+    for col in ("granularity", "accuracy", "majority", "±1 bucket", "MAE tok", "p50 ms", "p99 ms", "MB"):
+        table.add_column(col, justify="right")
+    for g, r in report["granularities"].items():
+        table.add_row(g, f"{r['accuracy']:.1%}", f"{r['majority_accuracy']:.1%}", f"{r['within_one_bucket']:.1%}",
+                      f"{r['mae_tokens']:.0f}", f"{r['latency_ms_p50']:.2f}", f"{r['latency_ms_p99']:.2f}",
+                      f"{r['memory_mb']:.1f}")
+    Console(file=sys.stderr).print(table)
+
+
+def cmd_label(a: argparse.Namespace, engine_config: Callable) -> int:
+    from aserve.label import label_prompts
+
+    summary = label_prompts(a.prompts, a.out, engine_config(a), temperature=a.temperature, top_p=a.top_p,
+                            samples=a.samples, batch_size=a.batch_size, limit=a.limit, max_tokens=a.max_tokens)
+    print(json.dumps(summary))
+    return 0

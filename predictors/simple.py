@@ -1,0 +1,81 @@
+"""The two reference predictors: ``none`` (knows nothing) and ``oracle`` (knows the answer).
+
+They bound what a scheduler can gain from prediction: ``none`` is what a length-blind system
+does, ``oracle`` is a perfect predictor. Neither needs training.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from predictors.base import Item, LengthPredictor, max_tokens_of, prompt_of
+from predictors.dataset import Example
+from scheduling.request import LengthRange, Request
+
+ORACLE_ATTR = "oracle_length"
+
+
+class NonePredictor(LengthPredictor):
+    """Always the full range ``[0, max_tokens]`` with probability 1: no information.
+
+    Its ``bucket`` is the last one: a scheduler that reads only the bucket then treats every
+    request as possibly long, which is the safe reading of "unknown".
+    """
+
+    name = "none"
+    needs_fit = False
+
+    def predict(self, requests: Sequence[Item]) -> list[LengthRange]:
+        out = []
+        for r in requests:
+            cap = max_tokens_of(r) or self.buckets.max_length
+            out.append(LengthRange(0, cap + 1, self.buckets.num_buckets - 1, 1.0))
+        return out
+
+
+class OraclePredictor(LengthPredictor):
+    """The true length's bucket, with probability 1.
+
+    Where the truth comes from, first found wins:
+      1. the attribute ``oracle_length`` set on the request (replay and evaluation set it:
+         ``Request`` is a plain dataclass, so ``setattr(req, "oracle_length", n)`` works);
+      2. the length of a training example (an ``Example`` carries it);
+      3. a table filled by ``fit`` (prompt text -> length) or ``observe``;
+      4. ``sampling.max_tokens`` when the request ignores EOS (then it always runs to the cap).
+    Anything else is an error: an oracle that guesses is no oracle.
+    """
+
+    name = "oracle"
+    needs_fit = False
+
+    def __init__(self, granularity: int = 200, max_length: int = 1024):
+        super().__init__(granularity, max_length)
+        self._by_text: dict[str, int] = {}
+
+    def fit(self, examples: Sequence[Example]) -> "OraclePredictor":
+        self._by_text.update((e.prompt, e.length) for e in examples)
+        return self
+
+    def observe(self, request: Item, actual_length: int) -> None:
+        self._by_text[prompt_of(request)[0]] = actual_length
+
+    def true_length(self, r: Item) -> int:
+        if getattr(r, ORACLE_ATTR, None) is not None:
+            return int(getattr(r, ORACLE_ATTR))
+        if isinstance(r, Example):
+            return r.length
+        text = r.prompt_text
+        if text in self._by_text:
+            return self._by_text[text]
+        if isinstance(r, Request) and r.sampling.ignore_eos:
+            return r.sampling.max_tokens
+        raise ValueError(f"oracle: request {r.request_id!r} has no true length: set its attribute "
+                         f"{ORACLE_ATTR!r}, fit the oracle on labelled examples, or use ignore_eos")
+
+    def predict(self, requests: Sequence[Item]) -> list[LengthRange]:
+        out = []
+        for r in requests:
+            n, cap = self.true_length(r), max_tokens_of(r)
+            if cap is not None:
+                n = min(n, cap)
+            out.append(self.buckets.to_range(self.buckets.bucket_of(n), 1.0, cap))
+        return out

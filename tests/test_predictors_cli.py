@@ -1,0 +1,75 @@
+"""``aserve predictor train|eval`` and ``aserve label`` as registered by add_predictor_commands."""
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from predictors.cli import add_predictor_commands
+from predictors.dataset import DEFAULT_PROMPTS, labelling_order, load_prompts
+from predictors.synthetic import write_synthetic_labels
+
+pytestmark = pytest.mark.skipif(not Path(DEFAULT_PROMPTS).is_file(),
+                                reason=f"needs the shared prompt pool at {DEFAULT_PROMPTS}")
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="aserve")
+    add_predictor_commands(p.add_subparsers(dest="command", required=True))
+    return p
+
+
+def run(*argv):
+    args = parser().parse_args([str(a) for a in argv])
+    return args.func(args)
+
+
+@pytest.fixture(scope="module")
+def labels(tmp_path_factory):
+    return write_synthetic_labels(labelling_order(load_prompts())[:300], tmp_path_factory.mktemp("l") / "labels.jsonl")
+
+
+def test_train_then_eval_writes_the_report(labels, tmp_path, capsys):
+    out = tmp_path / "model"
+    assert run("predictor", "train", "--backend", "sklearn", "--granularity", 200, "--labels", labels,
+               "--out", out / "g200") == 0
+    assert json.loads(capsys.readouterr().out)["n_train"] > 200 and (out / "g200" / "meta.json").is_file()
+    report_path = tmp_path / "eval.json"
+    assert run("predictor", "eval", "--backend", "sklearn", "--json", report_path, "--labels", labels,
+               "--model-dir", out, "--granularities", "100,200", "--latency-samples", 10) == 0
+    report = json.loads(report_path.read_text())
+    assert report["backend"] == "sklearn" and set(report["granularities"]) == {"100", "200"}
+    g200 = report["granularities"]["200"]
+    assert g200["trained"].startswith("loaded") and report["granularities"]["100"]["trained"].startswith("fitted")
+    for key in ("accuracy", "majority_accuracy", "mae_tokens", "latency_ms_p50", "latency_ms_p99",
+                "latency_ms_batch", "memory_mb", "n"):
+        assert key in g200, key
+    assert g200["accuracy"] > g200["majority_accuracy"]
+
+
+def test_eval_oracle_is_perfect(labels, tmp_path):
+    assert run("predictor", "eval", "--backend", "oracle", "--json", tmp_path / "o.json", "--labels", labels,
+               "--latency-samples", 10) == 0
+    report = json.loads((tmp_path / "o.json").read_text())
+    assert [r["accuracy"] for r in report["granularities"].values()] == [1.0, 1.0, 1.0]
+
+
+def test_cli_errors_name_the_field(labels, tmp_path):
+    with pytest.raises(FileNotFoundError, match="field 'labels'"):
+        run("predictor", "eval", "--backend", "none", "--json", tmp_path / "x.json", "--labels", tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="field 'prompts'"):
+        run("predictor", "train", "--backend", "sklearn", "--labels", labels, "--prompts", tmp_path / "nope")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "ghost", "prompt_tokens": 3, "output_tokens": [5]}) + "\n")
+    with pytest.raises(ValueError, match="field 'id'.*do not match"):
+        run("predictor", "train", "--backend", "sklearn", "--labels", bad)
+    with pytest.raises(ValueError, match="field 'granularities'"):
+        run("predictor", "eval", "--backend", "none", "--json", tmp_path / "x.json", "--labels", labels,
+            "--granularities", "a,b")
+    with pytest.raises(SystemExit):  # argparse: an unknown backend is a usage error
+        run("predictor", "train", "--backend", "psychic")
+
+
+def test_label_command_is_registered():
+    args = parser().parse_args(["label", "--limit", "5", "--max-tokens", "8", "--threads", "1"])
+    assert args.limit == 5 and args.max_tokens == 8 and callable(args.func)
