@@ -19,8 +19,12 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from predictors.dataset import (Label, PromptRow, check_labels_match, id_hash,  # noqa: F401 (re-exported)
-                                labelling_order, load_prompts, read_labels, split_by_id)
+from predictors.dataset import (Label, PromptRow, check_labels_match, id_hash, is_test, labelling_order,
+                                load_prompts, read_labels, split_by_id)
+
+# the label file's readers and the id split live with the predictors; re-exported for callers of this module
+__all__ = ["label_prompts", "done_ids", "read_labels", "load_prompts", "split_by_id", "is_test",
+           "check_labels_match", "Label"]
 
 
 def done_ids(out_path: Path) -> set[str]:

@@ -125,7 +125,7 @@ def _print_table(report: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"length predictor '{report['backend']}' on {report['n_test']} test prompts")
-    for col in ("granularity", "accuracy", "majority", "±1 bucket", "MAE tok", "p50 ms", "p99 ms", "MB"):
+    for col in ("g", "accuracy", "majority", "±1 bucket", "MAE tok", "p50 ms", "p99 ms", "MB"):
         table.add_column(col, justify="right")
     for g, r in report["granularities"].items():
         table.add_row(g, f"{r['accuracy']:.1%}", f"{r['majority_accuracy']:.1%}", f"{r['within_one_bucket']:.1%}",

@@ -9,8 +9,10 @@
 
 Why "vote" by default: the served model's lengths are bimodal (an answer, or a runaway that
 hits the cap: 37% of the dev labels), and a mean of the two modes lands in a bucket that
-neither neighbour was in. 5-fold CV on the 300-prompt dev set (cap 512), k=16, cosine >= 0.7:
-mean 36/50/71% vs vote 44/55/70% at granularity 100/200/400 (majority 37/50/63%).
+neither neighbour was in. 5-fold CV, k=16, cosine >= 0.7, accuracy at granularity 100/200/400:
+
+    300-prompt dev set  (majority 37/50/63%): mean 36/50/71   vote 44/55/70
+    1025-prompt dev set (majority 35/51/65%): mean 41/58/73   vote 54/62/73   MLP alone 54/62/71
 
 The index keeps lengths, not buckets, so one trained index serves every granularity; only
 the fallback MLP is per granularity. ``observe`` adds each finished request to the index:

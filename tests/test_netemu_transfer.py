@@ -144,13 +144,15 @@ def test_real_time_matches_bandwidth_and_latency():
     src, dst = make_pool(40, shape=BIG), make_pool(40, shape=BIG, fill=False)
     rec = asyncio.run(link.write("r", src, BIG_IDS, dst, BIG_IDS))
     assert rec.nbytes == 2 * 2**20
-    assert rec.emulated_s == pytest.approx(rec.nbytes / 20e6 + 1e-3, rel=0.05)
+    want = rec.nbytes / 20e6 + 1e-3
+    assert rec.model_s == pytest.approx(want, rel=0.05)  # the emulated time the link charges
+    # the wall time waited out: never shorter; on a loaded machine timers may wake a little late
+    assert want * 0.99 <= rec.emulated_s <= want * 1.5 + 0.05
     assert rec.end - rec.start == rec.emulated_s
     assert 0 < rec.real_copy_s <= rec.emulated_s and not rec.copy_bound
 
 
 def test_two_transfers_sharing_take_twice_as_long():
-    # long enough windows that a busy machine's late timer wake-ups stay well under 10%
     link = real_link(8e6, 1e-3)  # alone ~263 ms, shared ~525 ms
     src = make_pool(64, shape=BIG)
     dst_a, dst_b = make_pool(32, shape=BIG, fill=False), make_pool(32, shape=BIG, fill=False)
@@ -164,8 +166,9 @@ def test_two_transfers_sharing_take_twice_as_long():
     alone = a.nbytes / 8e6 + 1e-3
     shared = 2 * a.nbytes / 8e6 + 1e-3
     for rec in (a, b):
-        assert rec.emulated_s == pytest.approx(shared, rel=0.10)
-        assert rec.emulated_s > 1.5 * alone
+        assert rec.model_s == pytest.approx(shared, rel=0.10)  # each got half the bandwidth
+        assert rec.model_s > 1.5 * alone
+        assert shared * 0.9 <= rec.emulated_s <= shared * 1.5 + 0.05  # wall: late timers allowed
     assert torch.equal(dst_b, src[:, :, 32:])
     s = link.stats()
     assert (s["num_done"], s["in_flight"], s["bytes"]) == (2, 0, 2 * a.nbytes)
