@@ -122,3 +122,14 @@ def sse_events(raw: bytes) -> list:
             data = block[len("data: "):]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+async def iter_sse(resp):
+    """Yield SSE payloads as they arrive on a streaming aiohttp response ("[DONE]" as a string)."""
+    buf = b""
+    async for piece in resp.content.iter_any():
+        buf += piece
+        while b"\n\n" in buf:
+            block, buf = buf.split(b"\n\n", 1)
+            data = block.decode()[len("data: "):]
+            yield data if data == "[DONE]" else json.loads(data)

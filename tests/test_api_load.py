@@ -1,7 +1,6 @@
 """Many concurrent streaming clients on a disaggregated 1:1 cluster; half of a second wave
 hangs up mid-stream. Every survivor finishes complete and every block comes back."""
 import asyncio
-import json
 import random
 
 import aiohttp
@@ -9,7 +8,7 @@ import openai
 import pytest
 
 from aserve.config import ClusterConfig
-from tests.api_support import ServerThread
+from tests.api_support import ServerThread, iter_sse
 
 pytestmark = pytest.mark.slow
 N = 64
@@ -67,19 +66,15 @@ def test_concurrent_streams_all_finish(server):
 
 async def _read_stream(resp: aiohttp.ClientResponse, hang_up_after: int | None) -> dict:
     """Read SSE events; with ``hang_up_after`` close the connection after that many."""
-    events, buf = [], b""
+    events = []
     if hang_up_after == 0:
         resp.close()
         return {"hung_up": True}
-    async for piece in resp.content.iter_any():
-        buf += piece
-        while b"\n\n" in buf:
-            block, buf = buf.split(b"\n\n", 1)
-            data = block.decode()[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-            if hang_up_after is not None and len(events) >= hang_up_after:
-                resp.close()
-                return {"hung_up": True}
+    async for event in iter_sse(resp):
+        events.append(event)
+        if hang_up_after is not None and len(events) >= hang_up_after:
+            resp.close()
+            return {"hung_up": True}
     return {"hung_up": False, "events": events}
 
 

@@ -1,7 +1,6 @@
 """The real command in a subprocess: SIGTERM drains (503 for new work), lets a short request
 finish, aborts a long one (finish_reason "abort", still a clean end of stream), and exits 0."""
 import asyncio
-import json
 import os
 import re
 import signal
@@ -11,6 +10,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+
+from tests.api_support import iter_sse
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,14 +38,10 @@ def served():
 
 
 async def _events(resp, first_event: asyncio.Event):
-    events, buf = [], b""
-    async for piece in resp.content.iter_any():
-        buf += piece
-        while b"\n\n" in buf:
-            block, buf = buf.split(b"\n\n", 1)
-            data = block.decode()[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-            first_event.set()
+    events = []
+    async for event in iter_sse(resp):
+        events.append(event)
+        first_event.set()
     return events
 
 
