@@ -16,10 +16,11 @@ from aserve.config import EngineConfig
 from aserve.output import StopChecker
 from aserve.runner import ModelRunner, SeqWork, StepInput
 from model.config import ModelArgs
-from model.kv_cache import KVCache, num_blocks_for_budget
+from model.kv_cache import KVCache, host_swap_space, num_blocks_for_budget
 from model.loader import load_model, pick_dtype, read_config, resolve_model
 from model.sampler import SampleSpec
 from scheduling.block_manager import BlockManager
+from scheduling.clock import Clock
 from scheduling.alise import build_coupled
 from scheduling.coupled import CoupledScheduler, SchedulerOutput
 from scheduling.request import Request, SamplingParams
@@ -96,10 +97,11 @@ def build_runner(bundle: ModelBundle, cfg: EngineConfig) -> tuple[ModelRunner, B
 
 
 def add_swap_space(runner: ModelRunner, bundle: ModelBundle, cfg: EngineConfig) -> BlockManager:
-    """Host memory for swapped-out KV blocks (``swap_gb``), attached to the runner."""
-    n = num_blocks_for_budget(bundle.args, cfg.block_size, bundle.dtype, max(1, int(cfg.swap_gb * 2**30)))
-    runner.host_kv = KVCache(bundle.args, n, cfg.block_size, bundle.dtype, "cpu")
-    return BlockManager(n, cfg.block_size)
+    """Host memory for swapped-out KV blocks (``swap_gb``), attached to the runner. With
+    ``swap_dtype="int8"`` a block takes INT8 bytes plus scales, so the same budget holds more."""
+    runner.host_kv = host_swap_space(bundle.args, cfg.block_size, bundle.dtype, max(1, int(cfg.swap_gb * 2**30)),
+                                     cfg.swap_dtype)
+    return BlockManager(runner.host_kv.num_blocks, cfg.block_size)
 
 
 def build_coupled_scheduler(runner: ModelRunner, blocks: BlockManager, bundle: ModelBundle, cfg: EngineConfig,
@@ -129,10 +131,12 @@ def step_input(sched_out: SchedulerOutput, requests: dict[str, Request], want_lo
 class LLM:
     """Offline batch generation: ``LLM(EngineConfig(...)).generate(prompts, params)``."""
 
-    def __init__(self, cfg: EngineConfig = EngineConfig(), bundle: Optional[ModelBundle] = None):
+    def __init__(self, cfg: EngineConfig = EngineConfig(), bundle: Optional[ModelBundle] = None,
+                 clock: Optional[Clock] = None):
         if cfg.device == "cpu" and cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
+        self.clock = clock  # ALISE's clock (aging, waits); None: the monotonic clock
         self.bundle = bundle or ModelBundle.load(cfg)
         self.runner, self.blocks = build_runner(self.bundle, cfg)
         self.stops = StopChecker(self.bundle.tokenizer, self.bundle.eos_token_ids)
@@ -146,7 +150,7 @@ class LLM:
                  chat: bool = False, progress=None) -> list[Completion]:
         """Generate for every prompt; results in prompt order. ``progress(n_done, n_tokens)`` is called per step."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        sched = build_coupled_scheduler(self.runner, self.blocks, self.bundle, self.cfg)
+        sched = build_coupled_scheduler(self.runner, self.blocks, self.bundle, self.cfg, self.clock)
         reqs = []
         for prompt, sp in zip(prompts, plist):
             ids = self.bundle.encode(prompt, chat)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from model.attention import AttentionMeta, PrefillSeq, causal_mask
-from model.kv_cache import KVCache
+from model.kv_cache import HostKV, KVCache
 from model.sampler import SampleSpec, sample
 
 
@@ -49,11 +49,14 @@ class ModelRunner:
     """Holds one instance's model and KV pool on one device."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, device, seed: int = 0,
-                 host_kv: Optional[KVCache] = None):
+                 host_kv: Optional[HostKV] = None):
         self.model, self.kv, self.device = model, kv, torch.device(device)
-        self.host_kv = host_kv  # swap space in host memory (same layout as the pool)
+        # swap space in host memory: the pool's dtype or INT8 + scales; the runner alone knows
+        # which (schedulers hand out host block ids only)
+        self.host_kv = host_kv
         self.block_size = kv.block_size
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.num_swapped_out = self.num_swapped_in = 0  # blocks copied each way, for reports and tests
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
@@ -75,15 +78,20 @@ class ModelRunner:
         return StepOutput(sampled, time.perf_counter() - t0, ids.shape[0], logits_out)
 
     def _swap(self, step: StepInput) -> None:
+        """Swap-outs first, then swap-ins (a block freed by a swap-out may be reused at once).
+        The gathered blocks stay on this device until the host store takes them, so an INT8
+        store quantises here and only INT8 bytes and scales cross to host memory and back."""
         if not (step.swap_out or step.swap_in):
             return
         assert self.host_kv is not None, "swap needs host swap space"
         if step.swap_out:
             dev, host = zip(*step.swap_out)
-            self.host_kv.blocks_from(list(host), self.kv.blocks_to(list(dev), self.host_kv.pool.device))
+            self.host_kv.blocks_from(list(host), self.kv.blocks_to(list(dev), self.device))
+            self.num_swapped_out += len(dev)
         if step.swap_in:
             host, dev = zip(*step.swap_in)
             self.kv.blocks_from(list(dev), self.host_kv.blocks_to(list(host), self.device))
+            self.num_swapped_in += len(dev)
 
     @torch.inference_mode()
     def forward_logits(self, step: StepInput) -> torch.Tensor:

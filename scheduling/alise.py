@@ -28,8 +28,9 @@ The scheduler only decides. ``AliseOutput.swap_out`` holds ``(device, host)`` bl
 ``swap_in`` ``(host, device)`` pairs; the runner copies swap-outs first, then swap-ins, then runs
 the forward (a block freed by a swap-out may be reused in the same step). Host blocks freed by
 a swap-in are released only after the step's swap-outs were chosen, so no host block is both
-read and written in one step. ``kv_int8`` asks the runner to store host copies as INT8 with
-channel-wise scales (ALISE Eq. 8).
+read and written in one step. How a host copy is stored (the model dtype, or INT8 with
+channel-wise scales, ALISE Eq. 8) is the runner's business (``EngineConfig.swap_dtype``): the
+scheduler only counts host blocks.
 
 Aging bound: a job waits at most ``num_levels · aging_s + N · Δ`` (``AliseConfig.aging_bound_s``)
 where N bounds the unfinished jobs and Δ the time between two ``schedule()`` calls. Why: after
@@ -64,7 +65,6 @@ class AliseConfig:
     level_ratio: float = 4.0  # each further level spans ``level_ratio`` times more time
     aging_s: float = 5.0  # waiting this long promotes a job one level (math.inf: no aging)
     swap_after_s: float = 2.0  # a preempted job expected to wait this long goes to host
-    kv_int8: bool = False  # host copies stored INT8 (channel-wise scales, ALISE Eq. 8)
 
     def __post_init__(self):
         if self.num_levels < 1 or self.level_base_s <= 0 or self.level_ratio <= 1:
@@ -98,7 +98,6 @@ class KVDecision:
 class AliseOutput(SchedulerOutput):
     swap_out: tuple[tuple[int, int], ...] = ()  # (device block, host block), copied first
     swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block), copied second
-    kv_int8: bool = False  # host copies are INT8 with channel-wise scales
     kv_decisions: tuple[KVDecision, ...] = ()
 
 
@@ -199,7 +198,7 @@ class AliseScheduler(CoupledScheduler):
         assert step.plan or not order, "the best-ranked job always fits"
         assert sum(step.plan.values()) <= self.max_num_batched_tokens
         return AliseOutput(step.plan, tuple(step.preempted), tuple(step.swap_out), tuple(step.swap_in),
-                           self.config.kv_int8, tuple(step.decisions))
+                           kv_decisions=tuple(step.decisions))
 
     def _select(self, order: list[Request], step: _Step) -> set[str]:
         """The best-ranked jobs that fit: a prompt chunk or one decode token each."""
