@@ -72,8 +72,9 @@ class ApiServer:
 
 async def run_server(cluster, served_name: str, settings: ServerSettings = ServerSettings(),
                      host: str = "127.0.0.1", port: int = 8000, aliases: tuple[str, ...] = (),
-                     stop: Optional[asyncio.Event] = None, handle_signals: bool = True) -> None:
-    """Serve until SIGINT/SIGTERM (or ``stop`` is set), then drain and return."""
+                     stop: Optional[asyncio.Event] = None, handle_signals: bool = True, tui: bool = False) -> None:
+    """Serve until SIGINT/SIGTERM (or ``stop`` is set), then drain and return. ``tui`` draws the
+    live monitor (aserve/monitor.py) from the in-process snapshot until the drain starts."""
     server = ApiServer(cluster, served_name, settings, aliases)
     bound = await server.start(host, port)
     print(f"aserve: serving {served_name} ({cluster.cfg.mode}, {len(cluster.instances)} instances) "
@@ -83,14 +84,35 @@ async def run_server(cluster, served_name: str, settings: ServerSettings = Serve
     if handle_signals:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+    monitor = _start_tui(server, f"http://{host}:{bound}") if tui else None
     try:
         await stop.wait()
+        await _stop_tui(monitor)
+        monitor = None
         print(f"aserve: draining (up to {settings.shutdown_timeout_s:g} s)", file=sys.stderr, flush=True)
         await server.shutdown()
     finally:
+        await _stop_tui(monitor)
         if handle_signals:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+
+
+# ---- serve --tui ----------------------------------------------------------------------------------
+def _start_tui(server: ApiServer, name: str) -> asyncio.Task:
+    from aserve.monitor import run_in_process, server_sampler
+
+    return asyncio.create_task(run_in_process(server_sampler(server.ctx), name), name="aserve-tui")
+
+
+async def _stop_tui(monitor: Optional[asyncio.Task]) -> None:
+    """Cancel the monitor so rich gives the terminal back before the drain's messages."""
+    if monitor is None:
+        return
+    monitor.cancel()
+    await asyncio.wait([monitor])  # not ``await monitor``: that would swallow our own cancellation
+    if not monitor.cancelled() and monitor.exception() is not None:
+        print(f"aserve: the --tui monitor failed: {monitor.exception()!r}", file=sys.stderr, flush=True)
 
 
 # ---- command line -------------------------------------------------------------------------------
@@ -110,6 +132,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="429 once this many requests wait for their first token (0: no limit)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (then: abort)")
+    s.add_argument("--tui", action="store_true", help="draw the live monitor in this terminal (docs/MONITOR.md)")
     add_cluster_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
@@ -129,18 +152,18 @@ def cmd_serve(a: argparse.Namespace) -> int:
     engine, cluster_cfg, settings = engine_config(a), cluster_config(a), server_settings(a)
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
-    _run_loop(_serve(engine, cluster_cfg, settings, a.host, a.port, a.served_model_name, a.model))
+    _run_loop(_serve(engine, cluster_cfg, settings, a.host, a.port, a.served_model_name, a.model, a.tui))
     return 0
 
 
 async def _serve(engine, cluster_cfg, settings: ServerSettings, host: str, port: int,
-                 served_name: Optional[str], model_arg: str) -> None:
+                 served_name: Optional[str], model_arg: str, tui: bool = False) -> None:
     from aserve.cluster import Cluster
 
     print(f"aserve: loading {model_arg} ...", file=sys.stderr, flush=True)
     async with Cluster(engine, cluster_cfg) as cluster:
         name = served_name or cluster.bundle.path.name
-        await run_server(cluster, name, settings, host, port, aliases=(model_arg,))
+        await run_server(cluster, name, settings, host, port, aliases=(model_arg,), tui=tui)
 
 
 def _run_loop(coro) -> None:
