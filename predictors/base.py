@@ -35,6 +35,7 @@ GRANULARITIES = (100, 200, 400)  # the paper's three
 MODES = ("parallel", "sequential")
 DEFAULT_MAX_LENGTH = 1024
 META_FILE = "meta.json"
+MAX_PROMPT_CHARS = 16_000  # longer prompt texts: head and tail only (bounds the latency; the pool's longest is ~9.8k)
 
 Item = Union[Request, Example]
 
@@ -104,6 +105,13 @@ def prompt_of(item: Item) -> tuple[str, int]:
     return text, num_tokens
 
 
+def clip_text(text: str, max_chars: int = MAX_PROMPT_CHARS) -> str:
+    """``text`` if short enough, else its head and tail halves (instructions tend to sit at one
+    end of a long prompt, the question at the other)."""
+    half = max_chars // 2
+    return text if len(text) <= max_chars else text[:half] + "\n" + text[-half:]
+
+
 def max_tokens_of(item: Item) -> int | None:
     return item.sampling.max_tokens if isinstance(item, Request) else None
 
@@ -120,6 +128,7 @@ class LengthPredictor(abc.ABC):
     name: str = ""
     needs_fit: bool = True
     learns_online: bool = False  # True when observe() changes later predictions
+    inline: bool = False  # True when predicting costs microseconds: callers may skip the helper thread
     _executor: ThreadPoolExecutor | None = None
 
     def __init__(self, granularity: int = 200, max_length: int = DEFAULT_MAX_LENGTH):
@@ -139,17 +148,23 @@ class LengthPredictor(abc.ABC):
     def predict_async(self, requests: Sequence[Item]) -> Future:
         """``predict`` as a future: on the predictor's own thread in ``parallel`` mode (so it overlaps
         the main model's prefill), done inline before returning in ``sequential`` mode."""
+        return self.run_async(self.predict, list(requests))
+
+    def run_async(self, fn, *args) -> Future:
+        """``fn(*args)`` as a future, on the predictor's own thread in ``parallel`` mode, inline in
+        ``sequential`` mode. The online predictor (aserve/online_predictor.py) runs ``observe``
+        here too, so one thread does all the predictor's work and the two never overlap."""
         if self.mode == "sequential":
             done: Future = Future()
             try:
-                done.set_result(self.predict(requests))
+                done.set_result(fn(*args))
             except Exception as e:  # the caller reads the error from the future, as in parallel mode
                 done.set_exception(e)
             return done
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"predictor-{self.name}",
                                                 initializer=_one_torch_thread)
-        return self._executor.submit(self.predict, list(requests))
+        return self._executor.submit(fn, *args)
 
     def close(self) -> None:
         """Stop the helper thread of ``parallel`` mode (if one was started)."""

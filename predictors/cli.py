@@ -74,13 +74,13 @@ def _data_args(p: argparse.ArgumentParser, backends) -> None:
                    help="backend option, e.g. --option num_layers=8 (repeatable; JSON values)")
 
 
-def parse_options(items: list[str]) -> dict:
+def parse_options(items: list[str], field: str = "option") -> dict:
     """``["k=3", "pooling=last"]`` -> ``{"k": 3, "pooling": "last"}`` (values read as JSON when they parse)."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"field 'option': expected KEY=VALUE, got {item!r}")
+            raise ValueError(f"field {field!r}: expected KEY=VALUE, got {item!r}")
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:

@@ -6,6 +6,7 @@ Backends are imported on first use: asking for ``none`` must not load torch, and
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 
 from predictors.base import LengthPredictor, read_meta
@@ -32,8 +33,11 @@ def get_predictor(name: str, **kw) -> LengthPredictor:
     cls = predictor_class(name)
     try:
         return cls(**kw)
-    except TypeError as e:  # an unknown keyword: name the backend in the message
-        raise ValueError(f"bad options for the {name!r} predictor: {e}") from None
+    except TypeError as e:  # an unknown keyword: name the backend and what it takes
+        params = inspect.signature(cls.__init__).parameters
+        known = [k for k in params if k not in ("self", "granularity", "max_length")]
+        raise ValueError(f"bad options for the {name!r} predictor: {e}; its options: "
+                         f"{', '.join(known) or 'none'}") from None
 
 
 def load_predictor(path: Path | str, **overrides) -> LengthPredictor:

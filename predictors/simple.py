@@ -14,6 +14,10 @@ from scheduling.request import LengthRange, Request
 ORACLE_ATTR = "oracle_length"
 
 
+class UnknownLength(ValueError):
+    """The oracle has no true length for this request (no replay length, no label, no ignore_eos)."""
+
+
 class NonePredictor(LengthPredictor):
     """Always the full range ``[0, max_tokens]`` with probability 1: no information.
 
@@ -23,6 +27,7 @@ class NonePredictor(LengthPredictor):
 
     name = "none"
     needs_fit = False
+    inline = True
 
     def predict(self, requests: Sequence[Item]) -> list[LengthRange]:
         out = []
@@ -46,6 +51,7 @@ class OraclePredictor(LengthPredictor):
 
     name = "oracle"
     needs_fit = False
+    inline = True
 
     def __init__(self, granularity: int = 200, max_length: int = 1024):
         super().__init__(granularity, max_length)
@@ -68,7 +74,7 @@ class OraclePredictor(LengthPredictor):
             return self._by_text[text]
         if isinstance(r, Request) and r.sampling.ignore_eos:
             return r.sampling.max_tokens
-        raise ValueError(f"oracle: request {r.request_id!r} has no true length: set its attribute "
+        raise UnknownLength(f"oracle: request {r.request_id!r} has no true length: set its attribute "
                          f"{ORACLE_ATTR!r}, fit the oracle on labelled examples, or use ignore_eos")
 
     def predict(self, requests: Sequence[Item]) -> list[LengthRange]:

@@ -36,19 +36,14 @@ from typing import Sequence
 import numpy as np
 from scipy import sparse
 
-from predictors.base import Item, LengthPredictor, examples_arrays, max_tokens_of, one_thread, prompt_of
+from predictors.base import (Item, LengthPredictor, clip_text, examples_arrays, max_tokens_of, one_thread,
+                             prompt_of)
 from predictors.dataset import Example
 from scheduling.request import LengthRange
 
 DEFAULT_CLASSIFIER = "svm"  # see the table above
 DENSE_WEIGHT = 0.2
 MODEL_FILE = "model.pkl"
-MAX_CHARS = 16_000  # longer prompts: head and tail halves only (bounds the latency; the pool's longest is ~9.8k)
-
-
-def clip_text(text: str) -> str:
-    half = MAX_CHARS // 2
-    return text if len(text) <= MAX_CHARS else text[:half] + "\n" + text[-half:]
 
 
 class PromptFeatures:
