@@ -6,6 +6,8 @@
     POST /v1/completions       text completion, streaming (SSE) or not
     GET  /metrics              Prometheus text (vllm: and aserve: names)
     GET  /v1/stats             JSON snapshot of every instance and link, for the live monitor
+    GET|POST /admin/instances, DELETE /admin/instances/{id}, POST /admin/instances/{id}/flip
+                               the instance lifecycle (aserve/api_admin.py)
 
 Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``) and bad input
 is always a 4xx. ``build_app`` makes the application over a started cluster; ``aserve/api.py``
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Optional
 
 from aiohttp import web
 
+from aserve.api_admin import add_admin_routes
 from aserve.api_generate import generate
 from aserve.api_validate import ApiError
 from aserve.metrics import ServerMetrics, snapshot
@@ -73,12 +76,15 @@ class ServeContext:
         return snapshot(self.cluster, self.served_name, self.started_at, self.draining)
 
     def engine_dead(self) -> Optional[str]:
+        """Why the cluster cannot serve, or None: dead only when a role it needs has no live
+        instance left (a failed instance whose requests moved elsewhere is not death)."""
         if not self.cluster.started:
             return "the cluster is not running"
-        for inst in self.cluster.instances.values():
-            if inst.state == "failed" or inst.task is None or inst.task.done():
-                return f"instance {inst.id} is down"
-        return None
+        live = {inst.role for inst in self.cluster.instances.values()
+                if inst.state not in ("failed", "removed") and inst.task is not None and not inst.task.done()}
+        need = {"prefill", "decode"} if self.cluster.cfg.mode == "disagg" else {"coupled"}
+        missing = sorted(need - live)
+        return f"no live {' or '.join(missing)} instance" if missing else None
 
 
 CTX = web.AppKey("aserve", ServeContext)
@@ -95,6 +101,10 @@ async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as e:
+        if request.method == "POST" and request.path.startswith("/v1/"):  # a refused generation
+            cluster = request.app[CTX].cluster
+            cluster.counts["rejected"] = cluster.counts.get("rejected", 0) + 1
+            cluster.log_event("rejected", None, f"{e.status} {request.path}: {e.message[:80]}")
         return _error_response(e)
     except web.HTTPException as e:  # aiohttp's own: unknown route (404), wrong method (405)
         if e.status < 400:
@@ -173,6 +183,7 @@ def build_app(cluster, served_name: str, settings: ServerSettings = ServerSettin
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/stats", _stats)
+    add_admin_routes(app, CTX)
 
     async def _close_pool(_app):
         ctx.tokenizer_pool.shutdown(wait=False, cancel_futures=True)

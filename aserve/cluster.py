@@ -8,6 +8,10 @@
 
 In ``coupled`` mode every instance does both phases with its batching policy and the global
 scheduler picks the least-loaded one. Everything here runs on the event-loop thread.
+
+The length predictor (aserve/online_predictor.py) starts at submit and runs on its own thread;
+its range is put on the request where a policy first reads it: the handoff (disagg, parallel),
+or before placement (sequential mode; coupled alise). ``_finish`` scores it and feeds it back.
 """
 from __future__ import annotations
 
@@ -22,8 +26,11 @@ import torch
 from aserve.config import ClusterConfig, EngineConfig
 from aserve.engine import ModelBundle
 from aserve.instance import Instance
+from aserve.lifecycle import LifecycleMixin
+from aserve.online_predictor import OnlinePredictor
 from aserve.output import StopChecker
 from netemu import KVEmulation, KVLink, parse_link
+from netemu.transfer import TransferError
 from scheduling.clock import Clock, MonotonicClock
 from scheduling.dispatch import NoDecodeInstance
 from scheduling.request import Request, SamplingParams
@@ -49,9 +56,10 @@ class Handle:
     token_times: list = field(default_factory=list)
     prefill_instance: Optional[str] = None
     decode_instance: Optional[str] = None
+    epoch: int = 0  # bumped when the request is re-run elsewhere: stale handoffs see it and stop
 
 
-class Cluster:
+class Cluster(LifecycleMixin):
     def __init__(self, engine: EngineConfig, cfg: ClusterConfig, bundle: Optional[ModelBundle] = None,
                  clock: Optional[Clock] = None):
         self.engine, self.cfg = engine, cfg
@@ -68,24 +76,47 @@ class Cluster:
         self.loop_lag_s = 0.0
         self.counts = {"finished": 0, "aborted": 0, "failed": 0}
         self.started = False
+        self.predictor = OnlinePredictor(cfg)
+        self._init_lifecycle()
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         if self.bundle is None:
             self.bundle = await asyncio.to_thread(ModelBundle.load, self.engine)
         self.stops = StopChecker(self.bundle.tokenizer, self.bundle.eos_token_ids)
+        # loading (or fitting, the first time) a predictor takes seconds: off the loop
+        await asyncio.to_thread(self.predictor.load, self.bundle.tokenizer.decode)
         roles = (["prefill"] * self.cfg.num_prefill + ["decode"] * self.cfg.num_decode
                  if self.cfg.mode == "disagg" else ["coupled"] * self.cfg.num_coupled)
         threads = self._threads_per_instance(len(roles))
         for i, role in enumerate(roles):
             self._add_instance(f"{role[0]}{i}", role, threads)
+        self._next_instance = len(roles)
         self._broadcast()
         self._monitor = asyncio.create_task(self._monitor_loop(), name="cluster-monitor")
+        self._start_watcher()
         self.started = True
 
     def _threads_per_instance(self, n: int) -> int:
-        cores = self.engine.num_threads or os.cpu_count() or 1
-        return max(1, cores // n)
+        return max(1, self._cores() // n)
+
+    def _cores(self) -> int:
+        return self.engine.num_threads or os.cpu_count() or 1
+
+    def device_slowdown(self) -> float:
+        """How much slower than one borrowed core an instance's emulated device is.
+
+        ``device_share="dedicated"`` emulates the paper's setting, where each instance owns its
+        accelerator, on a CPU with fewer cores than instances: every live instance owns
+        ``cores / N`` of a core, so a step that used ``c`` CPU seconds occupies the instance for
+        ``c * N / cores`` seconds (the instance waits out the difference) and the share of an
+        idle instance is lost instead of going to busy ones. CPU seconds, not wall seconds, so
+        time-slicing with other instances is not charged twice. 1.0 (no emulation) when shared,
+        on CUDA, or with a core (or more) per instance."""
+        if self.cfg.device_share != "dedicated" or self.engine.device != "cpu":
+            return 1.0
+        live = sum(i.state not in ("failed", "removed") for i in self.instances.values())
+        return max(1.0, live / self._cores())
 
     def _add_instance(self, iid: str, role: str, threads: int) -> Instance:
         inst = Instance(iid, role, self.bundle, self.engine, self.cfg, self, self.engine.device, threads)
@@ -96,13 +127,15 @@ class Cluster:
     async def stop(self) -> None:
         for rid in list(self.requests):
             self.abort(rid)
-        if self._monitor:
-            self._monitor.cancel()
+        for task in (self._monitor, self._watcher):
+            if task:
+                task.cancel()
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for inst in self.instances.values():
             await inst.stop()
+        await asyncio.to_thread(self.predictor.close)
         self.started = False
 
     async def __aenter__(self):
@@ -127,6 +160,7 @@ class Cluster:
             await asyncio.sleep(interval)
             self.loop_lag_s = max(0.0, loop.time() - t0 - interval)
             self._broadcast()
+            self._reclaim_leases()
 
     def _broadcast(self) -> None:
         """Collect decode instances' loads and hand them to every prefill dispatcher."""
@@ -137,36 +171,78 @@ class Cluster:
 
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams = SamplingParams(),
-               request_id: Optional[str] = None, prompt_text: str = "") -> Handle:
-        """Enter a request: it goes to the least-loaded prefill (or coupled) instance."""
+               request_id: Optional[str] = None, prompt_text: str = "",
+               oracle_length: Optional[int] = None) -> Handle:
+        """Enter a request: it goes to the least-loaded prefill (or coupled) instance.
+        ``oracle_length`` (replay knows it) is the true output length the ``oracle`` predictor reads."""
         assert self.started, "start the cluster first"
         self.bundle.check_fits(len(prompt_token_ids), sampling.max_tokens)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid!r}")
         req = Request(rid, list(prompt_token_ids), sampling, arrival_time=self.clock.now(), prompt_text=prompt_text)
+        if oracle_length is not None:
+            req.oracle_length = oracle_length  # predictors.simple.ORACLE_ATTR
         self._check_capacity(req)
         req.times["arrival"] = req.arrival_time
         handle = Handle(req)
         self.requests[rid] = handle
-        entry = [i for i in self.instances.values() if i.role in ("prefill", "coupled") and i.state == "active"]
-        if not entry:
+        self.predictor.start(req)
+        if not self.predictor.try_attach(req):  # not ready at once (none and oracle are): on its thread
+            gate = self._prediction_gate()
+            if gate == "place":
+                self._spawn(self._place_when_predicted(handle))
+                return handle
+            if gate == "background":
+                self._spawn(self.predictor.attach(req))
+        if not self._place(handle):
             self._finish(handle, "error", error="no instance can take new requests")
-            return handle
-        inst = min(entry, key=lambda i: (i.queued_tokens(), i.id))
-        handle.instance_id, handle.phase = inst.id, "prefill"
-        if inst.role == "prefill":
-            handle.prefill_instance = inst.id
-            inst.prefill.add_request(req)
-        else:
-            inst.coupled.add(req)
-        inst.notify()
         return handle
+
+    def _prediction_gate(self) -> str:
+        """Where a request's predicted range must be on it: ``place`` before it enters a queue
+        (sequential mode: the prediction adds to TTFT; coupled alise, whose ranking reads it at
+        add), ``handoff`` before dispatch (disagg, parallel: it overlaps the prefill), or
+        ``background`` (coupled vllm/sarathi read no prediction: it is only scored)."""
+        if self.cfg.predictor_mode == "sequential" or (self.cfg.mode == "coupled" and self.engine.batching == "alise"):
+            return "place"
+        return "background" if self.cfg.mode == "coupled" else "handoff"
+
+    async def _place_when_predicted(self, handle: Handle) -> None:
+        await self.predictor.attach(handle.request)
+        if handle.phase != "queued":  # aborted while its length was being predicted
+            return
+        if not self._place(handle):
+            self._finish(handle, "error", error="no instance can take new requests")
+
+    def _place(self, handle: Handle) -> bool:
+        """Send a request with no KV anywhere to the least-loaded active entry instance (prefill
+        or coupled). A request that already streamed tokens and has no coupled instance to go to
+        is adopted by a decode instance, which recomputes its prompt + output in one step."""
+        req = handle.request
+        entry = [i for i in self.instances.values() if i.role in ("prefill", "coupled") and i.state == "active"]
+        if entry and not (req.output_token_ids and entry[0].role == "prefill"):
+            inst = min(entry, key=lambda i: (i.queued_tokens(), i.id))
+            handle.instance_id, handle.phase = inst.id, "prefill"
+            if inst.role == "prefill":
+                handle.prefill_instance = inst.id
+                inst.prefill.add_request(req)
+            else:
+                inst.coupled.add(req)
+        else:
+            decode = [i for i in self.instances.values() if i.role == "decode" and i.state == "active"]
+            if not decode:
+                return False
+            inst = min(decode, key=lambda i: (i.holds(), i.id))
+            handle.instance_id, handle.decode_instance, handle.phase = inst.id, inst.id, "decode"
+            inst.decode.adopt(req)
+        inst.notify()
+        return True
 
     def _check_capacity(self, req: Request) -> None:
         """Refuse, before the request enters the table, what no instance's KV pool could ever hold."""
         need = -(-(req.max_total_tokens() + 1) // self.engine.block_size)
-        largest = max(i.blocks.num_blocks for i in self.instances.values())
+        largest = max((i.blocks.num_blocks for i in self.instances.values()), default=0)
         if need > largest:
             raise ValueError(f"prompt plus max_tokens needs {need} KV blocks; the largest instance has {largest}")
 
@@ -246,27 +322,49 @@ class Cluster:
         self._spawn(self._handoff(inst, handle))
 
     async def _handoff(self, src: Instance, handle: Handle) -> None:
-        req = handle.request
+        """Move the request's KV from ``src`` to a decode instance the dispatcher picks.
+
+        A transfer that fails or times out frees the blocks reserved on the receiver and is
+        retried on another decode instance (``transfer_retries`` times, then the request is
+        re-run from its prompt). If ``src`` fails meanwhile the request has already been re-run
+        (its epoch moved on) and this task only cleans up after itself."""
+        req, epoch = handle.request, handle.epoch
         rid = req.request_id
-        while True:
-            if handle.aborted:
-                src.prefill.abort(rid)
-                self._finish(handle, "abort")
-                return
-            try:
-                dst = self.instances[src.dispatcher.choose(req)]
-            except NoDecodeInstance:
-                dst = None
-            dst_blocks = dst.decode.allocate_incoming(req) if dst is not None else None
-            if dst_blocks is not None:
-                break
-            await asyncio.sleep(self.cfg.monitor_interval_s / 10)  # every decode instance is full: wait
-        req.times["transfer_start"] = self.clock.now()
-        link = self._link(src, dst)
-        record = await link.write(rid, src.runner.kv.pool, list(req.block_ids), dst.runner.kv.pool, dst_blocks,
-                                  num_tokens=req.num_computed_tokens)
-        req.times["transfer_end"] = self.clock.now()
-        req.times["transfer_real_s"] = record.real_copy_s
+        await self.predictor.attach(req)  # parallel mode: the dispatcher and decode policies read it
+        tried: set[str] = set()
+        failures = 0
+        src.num_transfers_out += 1
+        try:
+            while True:
+                if handle.epoch != epoch:
+                    return
+                if handle.aborted:
+                    src.prefill.abort(rid)
+                    self._finish(handle, "abort")
+                    return
+                dst = self._pick_decode(src, req, tried)
+                dst_blocks = dst.decode.allocate_incoming(req) if dst is not None else None
+                if dst_blocks is None:
+                    if tried and dst is None:
+                        tried.clear()  # every decode instance failed us once: try them all again
+                    await asyncio.sleep(self.cfg.monitor_interval_s / 10)  # every decode instance is full
+                    continue
+                ok = await self._transfer(src, dst, handle, dst_blocks)
+                if handle.epoch != epoch:  # src failed during the copy: re-run elsewhere, and
+                    return  # _rerun freed this reservation (the copy itself ran inline: no writer left)
+                if ok and dst.state in ("active", "draining"):  # draining: it finishes what it holds
+                    break
+                dst.decode.abort(rid)  # frees what was reserved there (a dead instance: harmless)
+                tried.add(dst.id)
+                failures += 1
+                self.log_event("transfer_retry", dst.id, f"{rid}: KV transfer to {dst.id} failed, retry {failures}")
+                self.counts["transfer_retries"] += 1
+                if failures > self.cfg.transfer_retries:
+                    src.prefill.abort(rid)
+                    self._rerun(handle, f"KV transfer failed {failures} times")
+                    return
+        finally:
+            src.num_transfers_out -= 1
         src.prefill.release(rid)
         if handle.aborted:
             dst.decode.abort(rid)
@@ -276,6 +374,42 @@ class Cluster:
         handle.instance_id, handle.decode_instance, handle.phase = dst.id, dst.id, "decode"
         dst.notify()
         src.notify()
+
+    def _pick_decode(self, src: Instance, req: Request, tried: set) -> Optional[Instance]:
+        try:
+            dst = self.instances.get(src.dispatcher.choose(req))
+        except NoDecodeInstance:
+            return None
+        if dst is None or dst.state != "active" or dst.role != "decode":
+            return None  # the view is up to one broadcast old
+        if dst.id in tried:
+            others = [i for i in self.instances.values()
+                      if i.role == "decode" and i.state == "active" and i.id not in tried]
+            return min(others, key=lambda i: (i.holds(), i.id)) if others else None
+        return dst
+
+    async def _transfer(self, src: Instance, dst: Instance, handle: Handle, dst_blocks: list[int]) -> bool:
+        """One KV copy over the link, bounded by ``transfer_timeout_s``; False if it failed."""
+        req = handle.request
+        req.times["transfer_start"] = self.clock.now()
+        dst.num_transfers_in += 1
+        link = self._link(src, dst)
+        if self._transfer_faults:
+            self._transfer_faults -= 1
+            link.fail_next(1)
+        try:
+            record = await asyncio.wait_for(
+                link.write(req.request_id, src.runner.kv.pool, list(req.block_ids),
+                                           dst.runner.kv.pool, dst_blocks, num_tokens=req.num_computed_tokens),
+                self.cfg.transfer_timeout_s)
+        except (TransferError, asyncio.TimeoutError) as e:
+            req.times["transfer_error"] = f"{type(e).__name__}: {e}"
+            return False
+        finally:
+            dst.num_transfers_in -= 1
+        req.times["transfer_end"] = self.clock.now()
+        req.times["transfer_real_s"] = record.real_copy_s
+        return True
 
     def _link(self, src: Instance, dst: Instance) -> KVLink:
         key = (src.id, dst.id)
@@ -288,7 +422,10 @@ class Cluster:
         req.finish_reason, req.error = reason, error
         req.times["finish"] = self.clock.now()
         handle.phase = "done"
+        self.predictor.finish(req)
         key = {"abort": "aborted", "error": "failed"}.get(reason, "finished")
+        if error:
+            self.log_event("request_failed", handle.instance_id, f"{req.request_id}: {error}")
         self.counts[key] += 1
         handle.queue.put_nowait(TokenEvent(None, True, reason, error))
         self.requests.pop(req.request_id, None)

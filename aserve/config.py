@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from model.attention import BACKENDS
+from model.kv_cache import SWAP_DTYPES
 from scheduling.alise import ALL_POLICIES
 
 
@@ -22,6 +23,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     batching: str = "sarathi"  # coupled policy: sarathi | vllm | alise
     swap_gb: float = 0.25  # host swap space for preempted KV (alise, decode swap)
+    swap_dtype: str = "same"  # how swapped KV is stored: same (the model dtype) | int8 (ALISE Eq. 8)
     num_threads: int = 0  # torch threads on CPU; 0 = every core
     cache_dir: Optional[str] = None
     seed: int = 0
@@ -35,6 +37,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.swap_gb < 0:
             raise ValueError(f"swap_gb must be >= 0, got {self.swap_gb}")
+        if self.swap_dtype not in SWAP_DTYPES:
+            raise ValueError(f"bad swap_dtype {self.swap_dtype!r}: choose one of {', '.join(SWAP_DTYPES)}")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -64,13 +68,30 @@ class ClusterConfig:
     decode_policy: str = "greedy"  # greedy | reserve-static | reserve-dynamic
     preemption: str = "recompute"  # recompute | swap (swap space: EngineConfig.swap_gb)
     heavy_threshold: int = 128
-    predictor: str = "oracle"  # oracle | none (more with the predictors)
+    # length predictor (aserve/online_predictor.py; backends in predictors/)
+    predictor: str = "oracle"  # none | oracle | sklearn | lm | retrieval
+    predictor_granularity: int = 200  # bucket width, tokens: 100 | 200 | 400
+    predictor_mode: str = "parallel"  # parallel: beside the prefill | sequential: before it (adds to TTFT)
+    predictor_timeout_s: float = 0.5  # a prediction not ready by then: the request goes on without one
+    predictor_options: tuple = ()  # backend keyword arguments, (key, value) pairs (a dict is accepted)
+    predictor_path: Optional[str] = None  # a saved predictor folder; default: the cached artefact, or fit one
+    predictor_labels: Optional[str] = None  # labels to fit on when no artefact exists (default: the committed set)
+    predictor_prompts: Optional[str] = None  # the prompts those labels refer to (default: the shared pool)
     # interconnect
     link: str = "nvlink"
     emulate_model: Optional[str] = None
     emulate_kv_bytes_per_token: Optional[int] = None
     # control plane
     monitor_interval_s: float = 0.1
+    flip: str = "off"  # off | idle | ratio (scheduling/flip.py)
+    flip_window_s: float = 10.0  # ratio: the sliding window of measured work
+    flip_idle_s: float = 60.0  # idle: how long an instance must be idle (the paper: a minute)
+    flip_check_s: float = 0.25  # how often the transition watcher asks the policy
+    on_failure: str = "rerun"  # rerun | error: what happens to a failed instance's requests
+    transfer_timeout_s: float = 30.0  # a KV transfer slower than this is retried elsewhere
+    transfer_retries: int = 2  # retries on other decode instances before re-running from the prompt
+    lease_s: float = 60.0  # decode blocks reserved for KV that never arrives are freed after this
+    device_share: str = "shared"  # shared | dedicated: emulate one device per instance (Cluster.device_slowdown)
     seed: int = 0
 
     def __post_init__(self):
@@ -90,10 +111,50 @@ class ClusterConfig:
             raise ValueError(f"bad preemption {self.preemption!r}: recompute or swap")
         if self.chunk_size < 1 or self.prefill_sched_batch < 1:
             raise ValueError("chunk_size and prefill_sched_batch must be >= 1")
-        if self.predictor not in ("oracle", "none"):
-            raise ValueError(f"bad predictor {self.predictor!r}: choose one of oracle, none")
+        self._check_predictor()
         if self.monitor_interval_s <= 0:
             raise ValueError("monitor_interval_s must be > 0")
+        from scheduling.flip import FLIP_POLICIES
+
+        if self.flip not in FLIP_POLICIES:
+            raise ValueError(f"bad flip policy {self.flip!r}: choose one of {', '.join(FLIP_POLICIES)}")
+        if self.on_failure not in ("rerun", "error"):
+            raise ValueError(f"bad on_failure {self.on_failure!r}: rerun or error")
+        for name in ("flip_window_s", "flip_idle_s", "flip_check_s", "transfer_timeout_s", "lease_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.device_share not in ("shared", "dedicated"):
+            raise ValueError(f"bad device_share {self.device_share!r}: shared or dedicated")
+        if self.transfer_retries < 0:
+            raise ValueError(f"transfer_retries must be >= 0, got {self.transfer_retries}")
+
+    def _check_predictor(self) -> None:
+        from predictors.base import GRANULARITIES, MODES as PREDICTOR_MODES
+        from predictors.registry import BACKENDS, get_predictor
+
+        if self.predictor not in BACKENDS:
+            raise ValueError(f"bad predictor {self.predictor!r}: choose one of {', '.join(BACKENDS)}")
+        if self.predictor_granularity not in GRANULARITIES:
+            raise ValueError(f"bad predictor_granularity {self.predictor_granularity!r}: "
+                             f"choose one of {', '.join(map(str, GRANULARITIES))}")
+        if self.predictor_mode not in PREDICTOR_MODES:
+            raise ValueError(f"bad predictor_mode {self.predictor_mode!r}: choose one of {', '.join(PREDICTOR_MODES)}")
+        if not self.predictor_timeout_s > 0:
+            raise ValueError(f"predictor_timeout_s must be > 0, got {self.predictor_timeout_s}")
+        try:
+            options = dict(self.predictor_options)
+        except (TypeError, ValueError):
+            raise ValueError(f"predictor_options must be a dict or (key, value) pairs, "
+                             f"got {self.predictor_options!r}") from None
+        # frozen: normalise once, to sorted pairs
+        object.__setattr__(self, "predictor_options", tuple(sorted(options.items(), key=lambda kv: kv[0])))
+        for key, flag in (("granularity", "predictor_granularity"), ("max_length", "the label file")):
+            if key in options:
+                raise ValueError(f"predictor option {key!r} is set by {flag}, not by an option")
+        if self.predictor == "none" and (options or self.predictor_path):
+            raise ValueError("the 'none' predictor takes no options and no predictor_path")
+        if options:  # unknown keys and bad values fail here, not minutes later in Cluster.start
+            get_predictor(self.predictor, granularity=self.predictor_granularity, **options)
 
     @property
     def num_instances(self) -> int:

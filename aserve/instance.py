@@ -54,39 +54,82 @@ class Instance:
         self.runner, self.blocks = build_runner(bundle, engine)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"aserve-{instance_id}",
                                            initializer=_init_thread, initargs=(num_threads, device))
-        clock = cluster.clock
+        self.bundle, self.engine = bundle, engine
+        self.prefill = self.decode = self.coupled = self.dispatcher = None
+        self._make_role(role)
+        self.wake = asyncio.Event()
+        self.task: Optional[asyncio.Task] = None
+        # counters for metrics and the paper's resource-usage time
+        self.busy_s = 0.0  # wall seconds with a step running (or the emulated device's, if slower)
+        self.cpu_s = 0.0  # CPU seconds of the executor thread in steps
+        self.busy_by_role = {"prefill": 0.0, "decode": 0.0, "coupled": 0.0}
+        self.num_flips = 0
+        self.num_transfers_in = self.num_transfers_out = 0  # handoffs moving KV into / out of here
+        self.failure: Optional[str] = None
+        self._fault: Optional[str] = None  # injected by tests and chaos drills: raise at the next step
+        self.num_steps = self.num_prefill_tokens = self.num_decode_tokens = self.num_pad_tokens = 0
+        self.num_preemptions = 0
+
+    def _make_role(self, role: str) -> None:
+        """Build the role's scheduler over the instance's own pool: no model reload, no new pool."""
+        cfg, clock, bundle, engine = self.cfg, self.cluster.clock, self.bundle, self.engine
         self.prefill = self.decode = self.coupled = self.dispatcher = None
         if role == "prefill":
             self.prefill = registry.get("prefill", cfg.prefill_policy)(
                 self.blocks, PrefillConfig(cfg.chunk_size, cfg.prefill_sched_batch, cfg.pad), clock)
             self.dispatcher = registry.get("dispatch", cfg.dispatch)(DispatchConfig(cfg.heavy_threshold, cfg.seed))
         elif role == "decode":
-            swap_blocks = add_swap_space(self.runner, bundle, engine).num_blocks if cfg.preemption == "swap" else 0
+            swap_blocks = 0
+            if cfg.preemption == "swap":
+                host = self.runner.host_kv
+                swap_blocks = host.num_blocks if host is not None else \
+                    add_swap_space(self.runner, bundle, engine).num_blocks
             self.decode = registry.get("decode", cfg.decode_policy)(
-                self.blocks, DecodeConfig(preemption=cfg.preemption, num_swap_blocks=swap_blocks,
-                                          heavy_threshold=cfg.heavy_threshold), clock)
+                self.blocks, DecodeConfig(max_running=engine.max_num_seqs, preemption=cfg.preemption,
+                                          num_swap_blocks=swap_blocks, heavy_threshold=cfg.heavy_threshold), clock)
         else:
             self.coupled = build_coupled_scheduler(self.runner, self.blocks, bundle, engine, clock)
-        self.wake = asyncio.Event()
-        self.task: Optional[asyncio.Task] = None
-        # counters for metrics and the paper's resource-usage time
-        self.busy_s = 0.0
-        self.num_steps = self.num_prefill_tokens = self.num_decode_tokens = self.num_pad_tokens = 0
-        self.num_preemptions = 0
+        self.role = role
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         loop = {"prefill": self._prefill_loop, "decode": self._decode_loop, "coupled": self._coupled_loop}[self.role]
-        self.task = asyncio.create_task(loop(), name=f"instance-{self.id}")
+        self.task = asyncio.create_task(self._guarded(loop()), name=f"instance-{self.id}")
 
-    async def stop(self) -> None:
-        if self.task:
+    async def _guarded(self, loop) -> None:
+        """Run the role's loop; a step that raises (or any bug in the loop) fails the instance,
+        and the control plane moves its requests elsewhere instead of losing them."""
+        try:
+            await loop
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the control plane
+            self.cluster.on_instance_failed(self, f"{type(e).__name__}: {e}")
+
+    async def _halt(self) -> None:
+        """Stop the worker coroutine (a step already on the executor runs to its end unseen)."""
+        if self.task and not self.task.done():
             self.task.cancel()
             try:
                 await self.task
-            except (asyncio.CancelledError, Exception):
+            except asyncio.CancelledError:
                 pass
+
+    async def stop(self) -> None:
+        await self._halt()
         self.executor.shutdown(wait=True)
+
+    async def switch_role(self, role: str) -> None:
+        """The flip itself, once drained: halt the idle worker, swap the scheduler, start again."""
+        assert self.holds() == 0, f"instance {self.id} still holds requests"
+        await self._halt()
+        self._make_role(role)
+        self.num_flips += 1
+        self.start()
+
+    def inject_fault(self) -> None:
+        """Make the next step raise, as a device error would (fault-injection drills and tests)."""
+        self._fault = "injected fault"
 
     def notify(self) -> None:
         self.wake.set()
@@ -96,12 +139,28 @@ class Instance:
         await self.wake.wait()
 
     async def _run(self, step: StepInput) -> StepOutput:
+        if self._fault:
+            fault, self._fault = self._fault, None
+            raise RuntimeError(fault)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        out = await loop.run_in_executor(self.executor, self.runner.execute, step)
-        self.busy_s += time.perf_counter() - t0
+        out, cpu_s = await loop.run_in_executor(self.executor, self._timed_execute, step)
+        dt = time.perf_counter() - t0
+        self.cpu_s += cpu_s
+        device_s = cpu_s * self.cluster.device_slowdown()
+        if device_s > dt:  # an emulated dedicated device is slower than the core we borrowed
+            await asyncio.sleep(device_s - dt)
+            dt = device_s
+        self.busy_s += dt
+        self.busy_by_role[self.role] += dt
         self.num_steps += 1
         return out
+
+    def _timed_execute(self, step: StepInput) -> tuple[StepOutput, float]:
+        """The step, and the CPU seconds this (executor) thread spent on it."""
+        c0 = time.thread_time()
+        out = self.runner.execute(step)
+        return out, time.thread_time() - c0
 
     # ---- prefill ---------------------------------------------------------------------------
     async def _prefill_loop(self) -> None:

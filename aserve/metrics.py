@@ -11,10 +11,10 @@ dashboards work; what vLLM has no name for (KV transfers, padding, busy time, lo
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 if TYPE_CHECKING:
     from aserve.cluster import Cluster, Handle
@@ -36,18 +36,29 @@ def _queues(inst: "Instance") -> tuple[int, int]:
     return len(inst.coupled.waiting), len(inst.coupled.running)
 
 
+def _predictor(inst: "Instance") -> Optional[str]:
+    """The length predictor whose ranges this instance's policies read; None where none does
+    (vLLM and Sarathi coupled batching never look at a prediction)."""
+    if inst.coupled is not None and inst.cluster.engine.batching != "alise":
+        return None
+    return inst.cfg.predictor
+
+
 def instance_snapshot(inst: "Instance") -> dict:
     waiting, running = _queues(inst)
-    sched = inst.prefill or inst.decode or inst.coupled
     return {
         "id": inst.id, "role": inst.role, "state": inst.state, "device": inst.device,
         "free_blocks": inst.blocks.num_free, "total_blocks": inst.blocks.num_blocks,
         "block_size": inst.blocks.block_size, "num_waiting": waiting, "num_running": running,
         "num_requests": inst.holds(), "queued_tokens": inst.queued_tokens(), "num_steps": inst.num_steps,
         "num_prefill_tokens": inst.num_prefill_tokens, "num_decode_tokens": inst.num_decode_tokens,
-        "num_pad_tokens": inst.num_pad_tokens, "busy_s": inst.busy_s,
-        # prefill instances never preempt; decode schedulers that keep no counter report 0
-        "num_preemptions": getattr(sched, "num_preemptions", 0),
+        "num_pad_tokens": inst.num_pad_tokens, "busy_s": inst.busy_s, "num_flips": inst.num_flips,
+        "failure": inst.failure,
+        # the instance counts what its scheduler preempted (decode schedulers keep no counter)
+        "num_preemptions": inst.num_preemptions, "predictor": _predictor(inst),
+        # the monitor's per-stage counts; None where the role has no such stage
+        "num_scheduled": len(inst.prefill.scheduled_ids) if inst.prefill is not None else None,
+        "num_receiving": len(inst.decode._incoming) if inst.decode is not None else None,
     }
 
 
@@ -68,9 +79,11 @@ def snapshot(cluster: "Cluster", model: str, started_at: float, draining: bool) 
         "model": model, "mode": cluster.cfg.mode, "uptime_s": time.monotonic() - started_at,
         "draining": draining, "loop_lag_s": cluster.loop_lag_s,
         "num_requests": len(cluster.requests), "num_waiting": num_waiting_requests(cluster),
-        "counts": dict(cluster.counts), "num_flips": 0,  # the flip watcher does not exist yet
+        "counts": dict(cluster.counts), "num_flips": cluster.counts.get("flips", 0),
+        "flips": list(cluster.flip_log[-20:]), "events": list(cluster.events)[-50:],
         "instances": [instance_snapshot(i) for i in cluster.instances.values()],
         "links": [link_snapshot(s, d, link) for (s, d), link in cluster.links.items()],
+        "predictor": cluster.predictor.snapshot(),  # name, counters, accuracy, latency (aserve/online_predictor.py)
     }
 
 
@@ -91,6 +104,10 @@ _LINK_COUNTERS = (("aserve:kv_transfer_bytes", "bytes", "KV bytes really copied"
                   ("aserve:kv_transfer_real_seconds", "real_copy_s", "Seconds of the real copies"),
                   ("aserve:kv_transfer_link_busy_seconds", "busy_s", "Link seconds with data moving"))
 
+_PREDICTOR_COUNTERS = (("aserve:predictor_predictions", "predictions", "Predicted ranges put on requests"),
+                       ("aserve:predictor_scored", "scored", "Finished requests whose prediction was scored"),
+                       ("aserve:predictor_hits", "hits", "Scored requests whose length fell in the predicted bucket"))
+
 
 class _ClusterCollector:
     """Reads a fresh snapshot at every scrape (no background task to keep in sync)."""
@@ -110,6 +127,27 @@ class _ClusterCollector:
         for key, value in snap["counts"].items():
             outcome.add_metric([key], value)
         yield outcome
+        yield from self._predictor(snap["predictor"])
+
+    def _predictor(self, pred: dict):
+        """The length predictor: latency, outcomes, and hits over scored requests (accuracy =
+        hits / scored over any window)."""
+        labels = [pred["name"]]
+        lat = pred["latency"]
+        hist = HistogramMetricFamily("aserve:predictor_latency_seconds",
+                                     "Submit to predicted range, queueing on the predictor thread included",
+                                     labels=["predictor"])
+        hist.add_metric(labels, [(str(b), n) for b, n in lat["buckets"]] + [("+Inf", lat["count"])], lat["sum_s"])
+        yield hist
+        for name, key, doc in _PREDICTOR_COUNTERS:
+            counter = CounterMetricFamily(name, doc, labels=["predictor"])
+            counter.add_metric(labels, pred[key])
+            yield counter
+        fallbacks = CounterMetricFamily("aserve:predictor_fallbacks", "Requests that went on without a prediction",
+                                        labels=["predictor", "reason"])
+        for reason, n in pred["fallback_reasons"].items():
+            fallbacks.add_metric(labels + [reason], n)
+        yield fallbacks
 
     def _instances(self, model: str, instances: list[dict]):
         usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)",

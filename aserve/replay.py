@@ -216,7 +216,8 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
                           for iid, inst in cluster.instances.items())
         flips = max(sampler.flips(), int(cluster.counts.get("flips", 0)))
         return SystemRun(spec.name, tuple(records), instances, _kv_bytes(cluster) - kv0, flips, sampler.max_lag,
-                         config={"engine": asdict(spec.engine), "cluster": asdict(spec.cluster)})
+                         config={"engine": asdict(spec.engine), "cluster": asdict(spec.cluster)},
+                         flip_log=tuple(cluster.flip_log))
     finally:
         await cluster.stop()
 

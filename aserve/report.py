@@ -78,6 +78,7 @@ class SystemRun:
     flips: Optional[int] = None
     max_loop_lag_s: Optional[float] = None
     config: dict = field(default_factory=dict)
+    flip_log: tuple = ()  # each flip: instance, from, to, drain_s, flip_s (the switch alone), reason
 
 
 def parse_slo(text: Optional[str]) -> dict[str, float]:
@@ -146,6 +147,10 @@ def summarize(run: SystemRun, slo: Optional[dict] = None, clipped: int = 0) -> d
                       "threshold_s": st.threshold_s, "num_gaps": st.num_gaps},
            "padding_tokens": sum(i.pad_tokens for i in inst) if inst else None,
            "kv_bytes_moved": run.kv_bytes_moved, "flips": run.flips,
+           "flip_s_max": max((f["flip_s"] for f in run.flip_log), default=None),
+           "drain_s_max": max((f["drain_s"] for f in run.flip_log), default=None),
+           "flip_log": [{k: f[k] for k in ("instance", "from", "to", "drain_s", "flip_s", "reason")}
+                        for f in run.flip_log],
            "makespan_s": span, "output_tokens": tokens, "preemptions": sum(r.num_preemptions for r in done),
            "max_loop_lag_s": run.max_loop_lag_s, "config": run.config,
            "instances": [{"id": i.id, "role": i.role, "busy_s": i.busy_s, "prefill_tokens": i.prefill_tokens,
@@ -185,6 +190,7 @@ _SCALAR_ROWS = (("throughput req/s", "throughput_rps", "{:.3f}"), ("output token
                 ("goodput req/s", "goodput_rps", "{:.3f}"), ("resource usage s", "resource_usage_s", "{:.2f}"),
                 ("perf/$ vs first", "perf_per_dollar_vs_first", "{:.2f}"), ("padding tokens", "padding_tokens", "{:d}"),
                 ("KV bytes moved", "kv_bytes_moved", "{:,d}"), ("flips", "flips", "{:d}"),
+                ("flip s (max, no drain)", "flip_s_max", "{:.4f}"), ("drain s (max)", "drain_s_max", "{:.2f}"),
                 ("preemptions", "preemptions", "{:d}"), ("makespan s", "makespan_s", "{:.2f}"))
 
 

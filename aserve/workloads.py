@@ -7,7 +7,8 @@ TetriInfer (§5) classes a request by its prompt and output lengths:
     prompt >  512        HPLD                           HPHD
 
 Each workload samples lengths from ShareGPT's length table filtered to its class; ``Mixed``
-takes the four classes evenly. Arrivals are Poisson (or Gamma) at ``rate``; everything seeded.
+takes the four classes evenly; ``Shift`` is HPLD then LPHD (half each, in that order), a load
+that moves from prefill-heavy to decode-heavy for the flip policies. Arrivals are Poisson (or Gamma) at ``rate``; everything seeded.
 """
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ from aserve.traces import gamma_arrivals
 HEAVY_PREFILL = 512  # prompt tokens above this: heavy prefill
 HEAVY_DECODE = 128  # output tokens above this: heavy decode
 CLASSES = ("LPLD", "LPHD", "HPLD", "HPHD")
-WORKLOADS = CLASSES + ("Mixed",)
+WORKLOADS = CLASSES + ("Mixed", "Shift")
+# Shift: the first half HPLD, then the second half LPHD, in that order: a load that moves from
+# prefill-heavy to decode-heavy, for the flip policies (TetriInfer §3.5).
+PHASES = {"Shift": ("HPLD", "LPHD")}
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SHAREGPT_LENGTHS = SHARED_DATA / "traces" / "sharegpt8k_lengths_llama2tok.csv"
 PROMPTS_FILE = SHARED_DATA / "prompts" / "prompts.jsonl"
@@ -54,8 +58,14 @@ def make_workload(name: str, num_requests: int = 128, rate: float = 1.0, burstin
     for r in read_lengths(Path(lengths_path)).requests:
         pool[length_class(r.prompt_tokens, r.output_tokens)].append(r)
     rng = random.Random(seed)
-    wanted = [name] * num_requests if name != "Mixed" else [CLASSES[i % 4] for i in range(num_requests)]
-    rng.shuffle(wanted)
+    if name in PHASES:  # phases in order, each an equal share (the first takes the remainder)
+        phases = PHASES[name]
+        sizes = [num_requests // len(phases)] * len(phases)
+        sizes[0] += num_requests - sum(sizes)
+        wanted = [cls for cls, n in zip(phases, sizes) for _ in range(n)]
+    else:
+        wanted = [name] * num_requests if name != "Mixed" else [CLASSES[i % 4] for i in range(num_requests)]
+        rng.shuffle(wanted)
     picked = []
     for cls in wanted:
         if not pool[cls]:

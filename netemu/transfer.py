@@ -244,6 +244,14 @@ class KVLink:
         self._bounce = _BounceBuffers()
         self._totals = {"bytes": 0, "emulated_bytes": 0, "real_copy_s": 0.0,
                         "emulated_s": 0.0, "num_failed": 0, "num_copy_bound": 0}
+        self._faults = 0  # fault drills: this many coming transfers fail after starting
+
+    def fail_next(self, n: int = 1) -> None:
+        """Fault drill: ``n`` more of the coming transfers raise ``TransferError`` mid-way, as
+        a link error would (the link model is charged and cleaned up like for a real failure)."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        self._faults += n
 
     async def write(self, request_id: str, src_pool: torch.Tensor, src_block_ids: Sequence[int],
                     dst_pool: torch.Tensor, dst_block_ids: Sequence[int], *,
@@ -335,6 +343,9 @@ class KVLink:
         self.model.start(transfer_id, emulated_nbytes)
         landed = False
         try:
+            if self._faults:
+                self._faults -= 1
+                raise TransferError(f"request {request_id!r}: injected link fault")
             real_copy_s = await self._copy(request_id, src_pool, src_block_ids, dst_pool,
                                            dst_block_ids, executor or self._executor)
             model_end = await self._wait_out(transfer_id)

@@ -81,6 +81,7 @@ class DecodeScheduler:
         self.host = BlockManager(max(1, config.num_swap_blocks), blocks.block_size)
         self._requests: dict[str, Request] = {}
         self._incoming: dict[str, list[int]] = {}  # blocks reserved for KV still on the wire
+        self._incoming_at: dict[str, float] = {}  # when each reservation was made (the lease)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order: the newest is preempted first
         self._swapped: dict[str, list[int]] = {}  # host blocks of swapped-out requests
@@ -104,14 +105,40 @@ class DecodeScheduler:
             return None
         self._requests[request.request_id] = request
         self._incoming[request.request_id] = self.blocks.allocate(n)
+        self._incoming_at[request.request_id] = self.clock.now()
         return list(self._incoming[request.request_id])
 
     def add_request(self, request: Request) -> None:
         """The prompt KV has fully arrived; the request carries its first sampled token."""
         request.block_ids = self._incoming.pop(request.request_id)
+        self._incoming_at.pop(request.request_id, None)
         assert request.num_computed_tokens == request.num_prompt_tokens and request.output_token_ids
         request.status = Status.WAITING
         self._waiting.append(request)
+
+    def adopt(self, request: Request) -> None:
+        """Take over a request whose KV was lost on another instance (it failed): it waits like a
+        recompute-preempted request, and its first step here recomputes prompt + output (the
+        output streamed so far is kept, so generation goes on where it stopped)."""
+        assert request.request_id not in self._requests, f"duplicate {request.request_id}"
+        assert not request.block_ids and request.num_computed_tokens == 0, request.request_id
+        request.status = Status.PREEMPTED
+        self._requests[request.request_id] = request
+        self._waiting.append(request)
+
+    def reclaim_incoming(self, lease_s: float, keep: Iterable[str] = ()) -> list[str]:
+        """Free reservations older than ``lease_s`` whose KV never arrived (the sender died or
+        its handoff was lost); ``keep`` names transfers the caller knows are still moving.
+        Returns the reclaimed request ids."""
+        keep, cutoff = set(keep), self.clock.now() - lease_s
+        stale = [rid for rid, t in self._incoming_at.items() if t <= cutoff and rid not in keep]
+        for rid in stale:
+            self._retire(rid)
+        return stale
+
+    @property
+    def incoming_ids(self) -> list[str]:
+        return list(self._incoming)
 
     # --- policy hooks ---------------------------------------------------------------------
     def reserved_blocks(self) -> int:
@@ -243,7 +270,11 @@ class DecodeScheduler:
 
     def _retire(self, request_id: str) -> Request:
         request = self._requests.pop(request_id)
-        self.blocks.free(self._incoming.pop(request_id, []))
+        self._incoming_at.pop(request_id, None)
+        incoming = self._incoming.pop(request_id, None)
+        if incoming is not None:  # its block_ids are still the sender's: not ours to free
+            self.blocks.free(incoming)
+            return request
         self.host.free(self._swapped.pop(request_id, []))
         self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
         self._running = [r for r in self._running if r.request_id != request_id]

@@ -1,0 +1,217 @@
+"""Instance lifecycle on the real default model (fp32, so greedy outputs compare exactly):
+flips under load, adding and removing instances, and fault drills — a decode instance killed,
+a prefill step that raises, a KV transfer that fails — while 32 requests stream through
+2 prefill + 2 decode instances. Every request must finish with the output of a fault-free run,
+none may hang, and the surviving instances must get every block back."""
+import asyncio
+
+import pytest
+import torch
+
+from aserve.cluster import Cluster
+from aserve.config import ClusterConfig, EngineConfig
+from aserve.engine import LLM
+from aserve.lifecycle import InstanceError
+from scheduling.request import SamplingParams
+
+pytestmark = pytest.mark.slow
+SP = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+ENGINE = EngineConfig(dtype="fp32", kv_cache_gb=0.25, num_threads=1)
+TWO_TWO = ClusterConfig(mode="disagg", num_prefill=2, num_decode=2, chunk_size=64)
+
+
+@pytest.fixture(scope="module")
+def workload(default_bundle_fp32):
+    """32 prompts of 8..96 tokens and their fault-free greedy outputs (offline engine)."""
+    g = torch.Generator().manual_seed(7)
+    lengths = torch.randint(8, 96, (32,), generator=g).tolist()
+    ids = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in lengths]
+    want = [c.token_ids for c in LLM(ENGINE, bundle=default_bundle_fp32).generate(ids, SP)]
+    return default_bundle_fp32, ids, want
+
+
+async def stream_all(cl: Cluster, ids, during=None, after_tokens: int = 40, timeout: float = 300):
+    """Submit everything, run ``during(cl)`` once ``after_tokens`` tokens have streamed in all,
+    and return every request's streamed token ids and finish reason."""
+    handles = [cl.submit(p, SP, request_id=f"r{i}") for i, p in enumerate(ids)]
+    streamed = [0]
+    fired = asyncio.Event()
+
+    async def consume(h):
+        toks = []
+        async for ev in cl.stream(h):
+            if ev.token_id is not None:
+                toks.append(ev.token_id)
+                streamed[0] += 1
+                if streamed[0] >= after_tokens:
+                    fired.set()
+            if ev.finished:
+                return toks, ev.finish_reason, ev.error
+
+    async def trigger():
+        if during is not None:
+            await fired.wait()
+            await during(cl)
+
+    results, _ = await asyncio.wait_for(asyncio.gather(asyncio.gather(*map(consume, handles)), trigger()), timeout)
+    return results
+
+
+async def settled(cl: Cluster, survivors) -> None:
+    """Every surviving instance has all its blocks back (transfers may land a moment later)."""
+    for _ in range(500):
+        if not cl.requests and all(cl.instances[i].blocks.num_free == cl.instances[i].blocks.num_blocks
+                                   for i in survivors):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"blocks leaked: {cl.free_blocks()} of {cl.total_blocks()}, requests {list(cl.requests)}")
+
+
+def check(results, want):
+    for i, ((toks, reason, err), w) in enumerate(zip(results, want)):
+        assert err is None and reason == "length", (i, reason, err)
+        assert toks == w, f"request {i}: streamed output differs from the fault-free run"
+
+
+def drill(workload, during, after_tokens=40, then=None):
+    """The 32 requests through a fresh 2 + 2 cluster; ``during(cl)`` fires once ``after_tokens``
+    tokens have streamed. Every output must equal the fault-free run's and every instance still
+    active must get all its blocks back; ``then(cl)`` checks the rest."""
+    bundle, ids, want = workload
+
+    async def main():
+        async with Cluster(ENGINE, TWO_TWO, bundle=bundle) as cl:
+            check(await stream_all(cl, ids, during, after_tokens), want)
+            await settled(cl, [i for i, inst in cl.instances.items() if inst.state == "active"])
+            if then is not None:
+                await then(cl)
+    asyncio.run(main())
+
+
+def test_killed_decode_instance_loses_no_request(workload):
+    async def kill(cl):
+        assert cl.instances["d2"].holds() > 0, "the drill must hit a busy instance"
+        cl.kill_instance("d2", "drill: worker killed")
+
+    async def then(cl):
+        assert cl.instances["d2"].state == "failed"
+        assert cl.counts["reruns"] > 0 and cl.counts["instance_failures"] == 1
+        assert any(e["kind"] == "instance_failed" for e in cl.events)
+    drill(workload, kill, then=then)
+
+
+def test_prefill_step_that_raises_loses_no_request(workload):
+    async def fault(cl):
+        cl.inject_fault("p0")
+        for _ in range(1000):
+            if cl.instances["p0"].state == "failed" or not cl.instances["p0"].holds():
+                return
+            await asyncio.sleep(0.005)
+
+    async def then(cl):
+        assert cl.instances["p0"].state == "failed"
+        assert "injected fault" in cl.instances["p0"].failure
+    drill(workload, fault, after_tokens=2, then=then)
+
+
+def test_failed_transfer_is_retried_and_frees_both_sides(workload):
+    async def fail_links(cl):
+        cl.inject_transfer_faults(3)
+
+    async def then(cl):
+        assert cl.counts["transfer_retries"] == 3
+        assert sum(link.stats()["num_failed"] for link in cl.links.values()) == 3
+    drill(workload, fail_links, after_tokens=1, then=then)
+
+
+def test_no_instance_left_ends_requests_with_a_clear_error(workload):
+    bundle, ids, _ = workload
+
+    async def main():
+        async with Cluster(ENGINE, ClusterConfig(mode="disagg", chunk_size=64), bundle=bundle) as cl:
+            async def kill_both(cl):
+                cl.kill_instance("d1")
+                cl.kill_instance("p0")
+            results = await stream_all(cl, ids[:8], kill_both, after_tokens=3, timeout=60)
+            assert all(reason == "error" and "no healthy instance" in err for _, reason, err in results)
+            assert not cl.requests
+    asyncio.run(main())
+
+
+def test_flip_under_load_keeps_outputs_and_is_fast(workload):
+    _, ids, want = workload
+    records = []
+
+    async def flips(cl):
+        records.append(await cl.flip("p0", "decode", reason="test"))
+        records.append(await cl.flip("d2", "prefill", reason="test"))
+
+    async def then(cl):
+        assert {i.id: i.role for i in cl.instances.values()} == {"p0": "decode", "p1": "prefill",
+                                                                 "d2": "prefill", "d3": "decode"}
+        for r in records:
+            assert r["flip_s"] < 0.05, r  # the switch alone; the drain is reported apart
+            assert r["drain_s"] >= 0
+        assert cl.counts["flips"] == 2 and len(cl.flip_log) == 2
+        check(await stream_all(cl, ids[:8]), want[:8])  # the flipped instances serve in their new roles
+        assert cl.instances["p0"].num_decode_tokens > 0 and cl.instances["d2"].num_prefill_tokens > 0
+        await cl.flip("p1")  # idle: drains at once
+        with pytest.raises(InstanceError, match="last active prefill"):
+            await cl.flip("d2")
+    drill(workload, flips, after_tokens=20, then=then)
+
+
+def test_add_and_remove_instances_under_load(workload):
+    removed = []
+
+    async def churn(cl):
+        new = cl.add_instance("decode")
+        assert new.state == "active" and new.role == "decode"
+        removed.append(await cl.remove_instance("d2"))
+        removed.append(await cl.remove_instance("p0"))
+
+    async def then(cl):
+        assert set(cl.instances) == {"p1", "d3", "d4"}
+        assert [r["instance"] for r in removed] == ["d2", "p0"]
+        with pytest.raises(InstanceError, match="last active prefill"):
+            await cl.remove_instance("p1")
+        with pytest.raises(InstanceError, match="no instance 'x9'"):
+            await cl.remove_instance("x9")
+        with pytest.raises(InstanceError, match="bad role"):
+            cl.add_instance("coupled")
+    drill(workload, churn, after_tokens=30, then=then)
+
+
+def test_lease_frees_blocks_reserved_for_kv_that_never_arrives(default_bundle_fp32):
+    from scheduling.request import Request
+
+    async def main():
+        cfg = ClusterConfig(mode="disagg", lease_s=0.2, monitor_interval_s=0.05)
+        async with Cluster(ENGINE, cfg, bundle=default_bundle_fp32) as cl:
+            d = cl.instances["d1"]
+            ghost = Request("ghost", list(range(1, 100)), SP)
+            ghost.num_computed_tokens = 99
+            assert d.decode.allocate_incoming(ghost) is not None
+            assert d.blocks.num_free < d.blocks.num_blocks
+            await asyncio.sleep(0.5)
+            assert d.blocks.num_free == d.blocks.num_blocks
+            assert cl.counts["reclaimed"] == 1
+    asyncio.run(main())
+
+
+def test_dedicated_device_emulation_paces_each_instance(default_bundle_fp32):
+    """4 instances on 2 cores, dedicated: each owns half a core, so its busy time is at least
+    twice its CPU time; shared: no pacing."""
+    async def main(share):
+        cfg = ClusterConfig(mode="disagg", num_prefill=2, num_decode=2, chunk_size=64, device_share=share)
+        eng = EngineConfig(dtype="fp32", kv_cache_gb=0.25, num_threads=2)
+        async with Cluster(eng, cfg, bundle=default_bundle_fp32) as cl:
+            assert cl.device_slowdown() == (2.0 if share == "dedicated" else 1.0)
+            await asyncio.gather(*[cl.generate(list(range(100, 140)), SP) for _ in range(4)])
+            return [(i.busy_s, i.cpu_s) for i in cl.instances.values() if i.num_steps]
+    for busy, cpu in asyncio.run(main("dedicated")):
+        assert cpu > 0 and busy >= 2 * cpu * 0.999
+    assert ClusterConfig(device_share="shared").device_share == "shared"
+    with pytest.raises(ValueError, match="bad device_share"):
+        ClusterConfig(device_share="private")
+    asyncio.run(main("shared"))
