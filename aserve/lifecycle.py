@@ -119,6 +119,11 @@ class LifecycleMixin:
         t0 = time.perf_counter()
         inst.state = "draining"
         self._broadcast()  # dispatchers drop it now, not at the next monitor tick
+        if inst.prefill is not None:  # queued prompts not started yet go to the other prefill instances
+            for req in inst.prefill.take_unstarted():
+                handle = self.requests.get(req.request_id)
+                if handle is not None and not self._place(handle):
+                    self._finish(handle, "error", error="no instance can take the request")
         while inst.holds() or inst.num_transfers_in or inst.num_transfers_out:
             if inst.state == "failed":
                 raise InstanceError(f"instance {inst.id} failed while draining: {inst.failure}")

@@ -127,7 +127,7 @@ class RatioFlipPolicy(FlipPolicy):
         if self._started is None:
             self._started = now
         t0, p0, d0, pt0, dt0 = self._history[0]
-        if now - self._started < self.window_s / 2 or now - self._last_flip < self.cooldown_s:
+        if now - self._started < self.window_s or now - self._last_flip < self.cooldown_s:
             return None
         if any(v.state in ("draining", "flipping") for v in views):
             return None

@@ -237,6 +237,20 @@ class PrefillScheduler:
         self._free(request)
         return request
 
+    def take_unstarted(self) -> list[Request]:
+        """Remove and return the queued requests no chunk has touched yet (they hold no KV):
+        a draining instance hands them to its peers instead of computing them itself."""
+        planned = {s.request_id for s in self._inflight.slices} if self._inflight is not None else set()
+        taken = [r for r in list(self._raw) + list(self._scheduled)
+                 if r.num_computed_tokens == 0 and not r.block_ids and r.request_id not in planned]
+        ids = {r.request_id for r in taken}
+        self._raw = deque(r for r in self._raw if r.request_id not in ids)
+        self._scheduled = deque(r for r in self._scheduled if r.request_id not in ids)
+        for r in taken:
+            del self._requests[r.request_id]
+            r.status = Status.WAITING
+        return taken
+
     def abort(self, request_id: str) -> Optional[Request]:
         """Drop the request from whichever queue holds it and free its blocks; None if unknown."""
         request = self._requests.pop(request_id, None)

@@ -39,7 +39,7 @@ def test_ratio_moves_a_prefill_instance_to_decode_when_decode_work_dominates():
     assert decisions, "no flip"
     t, d = decisions[0]
     assert d.to_role == "decode" and d.instance_id in ("p0", "p1")
-    assert t >= 2.0  # waits for half a window of history
+    assert t >= 4.0  # waits for a whole window of history
     assert pol.last_work[1] > pol.last_work[0]
 
 
@@ -148,3 +148,20 @@ def test_lease_reclaims_reservations_whose_kv_never_came():
     clock.advance(31.0)
     assert sched.reclaim_incoming(60.0, keep=["moving"]) == ["lost"]
     assert sched.blocks.num_free == 62 and sched.incoming_ids == ["moving"]
+
+
+def test_draining_prefill_hands_over_only_untouched_requests():
+    from scheduling.prefill import PrefillConfig, PrefillScheduler
+
+    sched = PrefillScheduler(BlockManager(64, 16), PrefillConfig(chunk_size=32, sched_batch=4), FakeClock())
+    a, b, c = (Request(r, list(range(1, 41)), SamplingParams(max_tokens=8)) for r in "abc")
+    for r in (a, b, c):
+        sched.add_request(r)
+    plan = sched.plan_chunk()  # 32 tokens of a
+    assert [s.request_id for s in plan.slices] == ["a"]
+    taken = sched.take_unstarted()
+    assert [r.request_id for r in taken] == ["b", "c"] and all(not r.block_ids for r in taken)
+    sched.commit(plan)
+    plan = sched.plan_chunk()
+    assert [s.request_id for s in plan.slices] == ["a"] and not sched.take_unstarted()
+    assert sched.commit(plan, {"a": 5}) == [a]
