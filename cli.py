@@ -141,6 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     add_engine_args(bs)
     bs.set_defaults(func=cmd_bench_swap)
+    bi = bsub.add_parser("interference", help="TetriInfer 2.2: prefill beside prefill, decode beside prefill/decode")
+    bi.add_argument("--light", type=int, default=128, help="light prompt, and light decode context, in tokens")
+    bi.add_argument("--heavy", type=int, default=1024, help="heavy prompt, tokens")
+    bi.add_argument("--decode-batch", type=int, default=32)
+    bi.add_argument("--heavy-context", type=int, default=2048, help="context of a heavy decode, tokens")
+    bi.add_argument("--reps", type=int, default=5, help="timed iterations per figure (median)")
+    bi.add_argument("--json", default=None, help="write the results here")
+    add_engine_args(bi)
+    bi.set_defaults(func=cmd_bench_interference)
 
     pr = sub.add_parser("profile", help="measure the engine to choose a setting")
     prsub = pr.add_subparsers(dest="profile", required=True)
@@ -238,6 +247,13 @@ def cmd_bench_swap(a: argparse.Namespace) -> int:
     from aserve.bench_swap import run_swap_bench
 
     run_swap_bench(engine_config(a), a.num_prompts, a.max_tokens)
+    return 0
+
+
+def cmd_bench_interference(a: argparse.Namespace) -> int:
+    from aserve.bench_interference import run_interference_bench
+
+    run_interference_bench(engine_config(a), a.light, a.heavy, a.decode_batch, a.heavy_context, a.reps, a.json)
     return 0
 
 
