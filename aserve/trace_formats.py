@@ -109,7 +109,9 @@ def read_lengths(path: Path) -> RawTrace:
     return RawTrace(reqs, "lengths", timed=False)
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict]]:
+def iter_jsonl(path, error: type = ValueError) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line of a JSONL file; a line that is not a JSON
+    object raises ``error`` naming the file and line. Shared by traces, prompts and labels."""
     with open(path) as f:
         for i, line in enumerate(f, start=1):
             if not line.strip():
@@ -117,10 +119,15 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict]]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise TraceError(f"{path}:{i}: not JSON ({e.msg})") from None
+                raise error(f"{path}:{i}: not JSON ({e.msg})") from None
             if not isinstance(obj, dict):
-                raise TraceError(f"{path}:{i}: a line must be a JSON object")
-            yield f"{path}:{i}", obj
+                raise error(f"{path}:{i}: a line must be a JSON object")
+            yield i, obj
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict]]:
+    for i, obj in iter_jsonl(path, TraceError):
+        yield f"{path}:{i}", obj
 
 
 def read_mooncake(path: Path) -> RawTrace:

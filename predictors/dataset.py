@@ -83,20 +83,12 @@ class Example:
 
 
 def _jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    from aserve.trace_formats import iter_jsonl
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {str(path)!r}")
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object")
-            yield lineno, row
+    yield from iter_jsonl(path)
 
 
 def _field(path: Path, lineno: int, row: dict, name: str):
