@@ -16,7 +16,6 @@ labelling run cut short (a prefix of the pool) still splits about 80/20.
 from __future__ import annotations
 
 import hashlib
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
