@@ -29,6 +29,7 @@ from aserve.bench_engine import _median_time
 from aserve.config import EngineConfig
 from aserve.engine import ModelBundle, build_runner
 from aserve.runner import SeqWork, StepInput
+from model.kv_cache import kv_bytes_per_block
 from model.sampler import SampleSpec
 from scheduling.block_manager import BlockManager
 
@@ -106,8 +107,9 @@ def run_interference_bench(cfg: EngineConfig, light: int = 128, heavy: int = 102
         torch.set_num_threads(cfg.num_threads)
     bundle = ModelBundle.load(cfg)
     largest = max(64 * light + heavy, 3 * heavy + light, decode_batch * (heavy_context + 1) + heavy)
-    bytes_per_token = bundle.args.kv_bytes_per_token * bundle.dtype.itemsize // 2  # that figure assumes 2 bytes
-    need_gb = (largest + 64 * 16) * bytes_per_token / 2**30 * 1.1
+    # one block of slack per request (each starts a fresh block), and 10% on top
+    num_blocks = -(-largest // cfg.block_size) + 64 + decode_batch
+    need_gb = num_blocks * kv_bytes_per_block(bundle.args, cfg.block_size, bundle.dtype) / 2**30 * 1.1
     runner, blocks = build_runner(bundle, dataclasses.replace(cfg, kv_cache_gb=max(cfg.kv_cache_gb, need_gb)))
     with console.status("timing iterations"):
         result = measure(_Steps(runner, blocks, cfg.device, reps), light, heavy, decode_batch, heavy_context)

@@ -25,7 +25,7 @@ import collections
 import time
 from typing import TYPE_CHECKING, Optional
 
-from scheduling.flip import InstanceView, RatioFlipPolicy, make_flip_policy, other_role
+from scheduling.flip import InstanceView, make_flip_policy, other_role
 from scheduling.request import Status
 
 if TYPE_CHECKING:
@@ -159,8 +159,7 @@ class LifecycleMixin:
                   "drain_s": drain_s, "flip_s": flip_s, "reason": reason}
         self.flip_log.append(record)
         self.counts["flips"] += 1
-        if isinstance(self._flip_policy, RatioFlipPolicy):
-            self._flip_policy.note_flip(self.clock.now())
+        self._flip_policy.note_flip(self.clock.now())
         self.log_event("flip", iid, f"{from_role} -> {to_role} (drain {drain_s * 1e3:.0f} ms, "
                                  f"flip {flip_s * 1e3:.1f} ms): {reason}")
         return record

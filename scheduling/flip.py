@@ -66,6 +66,9 @@ class FlipPolicy:
     def decide(self, now: float, views: Sequence[InstanceView]) -> Optional[FlipDecision]:
         return None
 
+    def note_flip(self, now: float) -> None:
+        """A flip happened (whoever asked for it); policies with a cooldown restart it."""
+
 
 def _active(views: Sequence[InstanceView], role: str) -> list[InstanceView]:
     return [v for v in views if v.role == role and v.state == "active"]
@@ -115,7 +118,6 @@ class RatioFlipPolicy(FlipPolicy):
         self.last_work: tuple[float, float] = (0.0, 0.0)  # (prefill, decode) seconds: for logs and tests
 
     def note_flip(self, now: float) -> None:
-        """A flip happened (whoever asked for it): restart the cooldown."""
         self._last_flip = now
 
     def decide(self, now: float, views: Sequence[InstanceView]) -> Optional[FlipDecision]:
