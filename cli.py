@@ -12,7 +12,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct, bundled), a local HF checkpoint folder, or a .gguf file")
     g.add_argument("--dtype", default="auto", help="auto | bf16 | fp16 | fp32 (auto: bf16 on CUDA and AMX/AVX512-BF16 CPUs)")
     g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:i")
-    g.add_argument("--attention", default="sdpa", help="attention backend: reference | sdpa | flash")
+    g.add_argument("--attention", default="auto",
+                   help="attention backend: auto | reference | sdpa | native | flash (auto: native on CPU, flash or sdpa on CUDA)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool size per instance, GiB")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,

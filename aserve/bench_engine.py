@@ -23,6 +23,7 @@ from rich.table import Table
 from aserve.config import EngineConfig
 from aserve.engine import LLM, ModelBundle, build_runner
 from aserve.runner import SeqWork, StepInput
+from model.attention import pick_backend
 from model.sampler import SampleSpec
 from scheduling.request import SamplingParams
 
@@ -136,7 +137,7 @@ def run_engine_bench(cfg: EngineConfig, json_path: str | None, quick: bool = Fal
         gen = bench_generate(bundle, cfg, *((4, 32, 16) if quick else (32, 128, 128)))
     result = {
         "machine": _machine(cfg.device), "date": date.today().isoformat(), "device": cfg.device,
-        "dtype": str(bundle.dtype).removeprefix("torch."), "attention": cfg.attention, "threads": torch.get_num_threads(),
+        "dtype": str(bundle.dtype).removeprefix("torch."), "attention": pick_backend(cfg.attention, cfg.device), "threads": torch.get_num_threads(),
         "model": str(bundle.path.name), "prefill": prefill["chunks"], "saturate_chunk": prefill["saturate_chunk"],
         "decode": decode, "memory_bandwidth_gb_s": bw / 1e9, "weight_bytes": wbytes,
         "roofline_decode_step_ms": roof_ms, "decode_step_vs_roofline": decode[1]["step_ms"] / roof_ms, **gen,

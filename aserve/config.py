@@ -16,7 +16,7 @@ class EngineConfig:
     model: str = "default"
     dtype: str = "auto"  # auto | bf16 | fp16 | fp32
     device: str = "cpu"
-    attention: str = "sdpa"
+    attention: str = "auto"  # auto: native on CPUs where our kernels build, else sdpa; flash on CUDA when installed
     block_size: int = 16
     kv_cache_gb: float = 1.0
     max_num_batched_tokens: int = 512
@@ -29,8 +29,8 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.attention not in BACKENDS:
-            raise ValueError(f"bad attention backend {self.attention!r}: choose one of {', '.join(BACKENDS)}")
+        if self.attention != "auto" and self.attention not in BACKENDS:
+            raise ValueError(f"bad attention backend {self.attention!r}: choose one of auto, {', '.join(BACKENDS)}")
         if self.batching not in ALL_POLICIES:
             raise ValueError(f"bad batching policy {self.batching!r}: choose one of {', '.join(ALL_POLICIES)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

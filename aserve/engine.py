@@ -15,6 +15,7 @@ import torch
 from aserve.config import EngineConfig
 from aserve.output import StopChecker
 from aserve.runner import ModelRunner, SeqWork, StepInput
+from model.attention import pick_backend
 from model.config import ModelArgs
 from model.kv_cache import KVCache, host_swap_space, num_blocks_for_budget
 from model.loader import load_model, pick_dtype, read_config, resolve_model
@@ -51,7 +52,7 @@ class ModelBundle:
         hf_cfg = read_config(path)
         args = ModelArgs.from_hf(hf_cfg)
         dtype = pick_dtype(cfg.dtype, cfg.device)
-        model = model or load_model(path, dtype, cfg.device, cfg.attention)
+        model = model or load_model(path, dtype, cfg.device, pick_backend(cfg.attention, cfg.device))
         tokenizer = AutoTokenizer.from_pretrained(path)
         return ModelBundle(path, args, model, tokenizer, dtype, cfg.device)
 

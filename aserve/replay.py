@@ -143,7 +143,9 @@ async def _cluster_request(cluster, i: int, req: TraceRequest, ids: list[int], b
                            progress: ReplayProgress) -> RequestRecord:
     arrival = cluster.clock.now() - base
     try:
-        handle = cluster.submit(ids, sampling_for(req), request_id=f"trace-{i}")
+        # the trace's output length is exactly what will be generated: the oracle predictor's answer
+        handle = cluster.submit(ids, sampling_for(req), request_id=f"trace-{i}", prompt_text=req.prompt_text or "",
+                                oracle_length=req.output_tokens)
     except ValueError as e:  # PromptTooLong and bad parameters
         progress.request_done()
         return RequestRecord(i, len(ids), req.output_tokens, arrival, "failed", error=str(e))
@@ -185,6 +187,14 @@ def _kv_bytes(cluster) -> int:
     return int(sum(link.stats().get("bytes", 0) for link in cluster.links.values()))
 
 
+def _predictor_delta(before: dict, after: dict) -> dict:
+    """The predictor's counts over the replay alone (warm-up requests taken out)."""
+    d = {k: after[k] - before[k] for k in ("predictions", "fallbacks", "hits", "scored")}
+    d["fallback_reasons"] = {r: n - before["fallback_reasons"].get(r, 0) for r, n in after["fallback_reasons"].items()}
+    d["accuracy"] = d["hits"] / d["scored"] if d["scored"] else None
+    return {"name": after["name"], "granularity": after["granularity"], "mode": after["mode"], **d}
+
+
 async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[int]], bundle,
                          progress: Optional[ReplayProgress] = None, warmup: bool = True,
                          timeout_s: Optional[float] = None) -> SystemRun:
@@ -199,6 +209,7 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
         if warmup:
             await _warm_up(cluster, len(bundle.tokenizer))
         c0, kv0, base = _counters(cluster), _kv_bytes(cluster), cluster.clock.now()
+        pred0 = cluster.predictor.snapshot()
         sampler = _Sampler(cluster, base, {k: v[0] for k, v in c0.items()})
         task = asyncio.create_task(sampler.run())
         progress.system(spec.name, trace)
@@ -217,7 +228,7 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
         flips = max(sampler.flips(), int(cluster.counts.get("flips", 0)))
         return SystemRun(spec.name, tuple(records), instances, _kv_bytes(cluster) - kv0, flips, sampler.max_lag,
                          config={"engine": asdict(spec.engine), "cluster": asdict(spec.cluster)},
-                         flip_log=tuple(cluster.flip_log))
+                         flip_log=tuple(cluster.flip_log), predictor=_predictor_delta(pred0, cluster.predictor.snapshot()))
     finally:
         await cluster.stop()
 

@@ -79,6 +79,7 @@ class SystemRun:
     max_loop_lag_s: Optional[float] = None
     config: dict = field(default_factory=dict)
     flip_log: tuple = ()  # each flip: instance, from, to, drain_s, flip_s (the switch alone), reason
+    predictor: Optional[dict] = None  # the online length predictor over the trace's requests (not warm-up)
 
 
 def parse_slo(text: Optional[str]) -> dict[str, float]:
@@ -151,6 +152,8 @@ def summarize(run: SystemRun, slo: Optional[dict] = None, clipped: int = 0) -> d
            "drain_s_max": max((f["drain_s"] for f in run.flip_log), default=None),
            "flip_log": [{k: f[k] for k in ("instance", "from", "to", "drain_s", "flip_s", "reason")}
                         for f in run.flip_log],
+           "predictor": run.predictor,
+           "predictor_accuracy": (run.predictor or {}).get("accuracy"),
            "makespan_s": span, "output_tokens": tokens, "preemptions": sum(r.num_preemptions for r in done),
            "max_loop_lag_s": run.max_loop_lag_s, "config": run.config,
            "instances": [{"id": i.id, "role": i.role, "busy_s": i.busy_s, "prefill_tokens": i.prefill_tokens,
@@ -191,6 +194,7 @@ _SCALAR_ROWS = (("throughput req/s", "throughput_rps", "{:.3f}"), ("output token
                 ("perf/$ vs first", "perf_per_dollar_vs_first", "{:.2f}"), ("padding tokens", "padding_tokens", "{:d}"),
                 ("KV bytes moved", "kv_bytes_moved", "{:,d}"), ("flips", "flips", "{:d}"),
                 ("flip s (max, no drain)", "flip_s_max", "{:.4f}"), ("drain s (max)", "drain_s_max", "{:.2f}"),
+                ("predictor accuracy (online)", "predictor_accuracy", "{:.1%}"),
                 ("preemptions", "preemptions", "{:d}"), ("makespan s", "makespan_s", "{:.2f}"))
 
 

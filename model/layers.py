@@ -1,9 +1,32 @@
-"""Small building blocks shared by the model families: RMSNorm, rotary embedding."""
+"""Small building blocks shared by the model families: Linear, RMSNorm, rotary embedding."""
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose decode-sized bf16 calls on a CPU go to our weight-streaming kernel
+    (``model.native.linear``); everything else is torch's own. Same parameters, same names."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """``F.linear``, through our bf16 kernel where it is faster (see ``model.native.linear``)."""
+    if x.dtype is torch.bfloat16 and x.device.type == "cpu" and NATIVE_LINEAR:
+        from model import native
+
+        return native.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+# ASERVE_NATIVE_LINEAR=0 keeps every linear on torch's matmul (for A/B measurements)
+NATIVE_LINEAR = os.environ.get("ASERVE_NATIVE_LINEAR", "1") != "0"
 
 
 class RMSNorm(nn.Module):

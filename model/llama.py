@@ -11,7 +11,7 @@ from torch import nn
 
 from model.attention import AttentionMeta, paged_attention, write_kv
 from model.config import ModelArgs
-from model.layers import RMSNorm, RotaryEmbedding, apply_rope
+from model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope, linear
 
 
 class LlamaAttention(nn.Module):
@@ -20,8 +20,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.attention_bias)
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.attention_bias)
+        self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.attention_bias)
         self.scale = args.head_dim ** -0.5
         self.backend = backend
 
@@ -41,8 +41,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.inter = args.intermediate_size
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -72,7 +72,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(args.head_dim, args.max_position, args.rope_theta)
         self.layers = nn.ModuleList(LlamaBlock(args, backend) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.norm_eps)
-        self.lm_head = None if args.tie_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = None if args.tie_embeddings else Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def forward(self, input_ids, positions, meta: AttentionMeta, kv: torch.Tensor) -> torch.Tensor:
         # kv: the pool [L, 2, num_blocks, block_size, H_kv, D]
@@ -85,7 +85,7 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return linear(hidden, w).float()
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy weights named as in HF's ``LlamaForCausalLM``, fusing q/k/v and gate/up."""

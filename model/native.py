@@ -1,13 +1,24 @@
 """Our C++ CPU kernels, compiled on first use with torch's extension builder (about a minute,
-cached under ~/.cache/torch_extensions), and skipped with a clear reason where no compiler is."""
+cached under ~/.cache/torch_extensions), and skipped with a clear reason where no compiler is.
+
+- ``paged_decode``: decode attention that reads K/V blocks in place (``model/csrc/paged_attention.cpp``);
+- ``linear``: a bf16 linear for decode-sized batches on CPUs with AVX512-BF16, which streams the
+  weights once (``model/csrc/linear_bf16.cpp``); larger batches stay on torch's matmul.
+"""
 from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
-_SRC = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [str(_CSRC / "paged_attention.cpp"), str(_CSRC / "linear_bf16.cpp")]
+# rows up to which our bf16 linear beats torch's matmul on the machines measured (see
+# docs/BENCHMARKS.md, "Engine"); above it the matmul's blocking wins
+LINEAR_MAX_ROWS = 8
 
 
 @functools.lru_cache(maxsize=1)
@@ -16,8 +27,8 @@ def load():
     from torch.utils.cpp_extension import load as build
 
     try:
-        return build(name="aserve_native_v2", sources=[str(_SRC)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                     extra_ldflags=["-fopenmp"], verbose=False)
+        return build(name="aserve_native_v3", sources=_SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                     extra_include_paths=[str(_CSRC)], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler missing, headers missing, ...
         raise RuntimeError(f"cannot build aserve's C++ kernels: {e}") from e
 
@@ -31,7 +42,23 @@ def available() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=1)
+def bf16_linear_available() -> bool:
+    """True where the kernels build and the CPU has AVX512-BF16 dot products."""
+    return available() and load().has_bf16_linear()
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [B, H, D]; caches [num_blocks, block_size, H_kv, D]; returns [B, H, D]."""
     return load().paged_decode(q.contiguous(), k_cache, v_cache, tables, ctx_lens, scale)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear`` with our bf16 kernel where it is faster: bf16 CPU tensors, at most
+    ``LINEAR_MAX_ROWS`` rows, an input width that is a multiple of 32."""
+    if (x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.device.type == "cpu"
+            and x.dim() == 2 and x.shape[0] <= LINEAR_MAX_ROWS and x.shape[1] % 32 == 0
+            and not torch.is_grad_enabled() and bf16_linear_available()):
+        return load().linear_bf16(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -9,6 +9,7 @@ from torch import nn
 
 from model.attention import AttentionMeta, paged_attention, write_kv
 from model.config import ModelArgs
+from model.layers import Linear, linear
 from model.llama import _load_exact
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2 (fairseq legacy)
@@ -19,8 +20,8 @@ class OPTAttention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim = args.num_heads, args.head_dim
         size = args.hidden_size
-        self.qkv_proj = nn.Linear(size, 3 * size, bias=args.attention_bias)
-        self.out_proj = nn.Linear(size, size, bias=args.attention_bias)
+        self.qkv_proj = Linear(size, 3 * size, bias=args.attention_bias)
+        self.out_proj = Linear(size, size, bias=args.attention_bias)
         self.scale = args.head_dim ** -0.5
         self.backend = backend
 
@@ -39,8 +40,8 @@ class OPTBlock(nn.Module):
         self.attn_norm = nn.LayerNorm(args.hidden_size)
         self.attn = OPTAttention(args, backend)
         self.ffn_norm = nn.LayerNorm(args.hidden_size)
-        self.fc1 = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.fc2 = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.fc1 = Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.fc2 = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
         self.act = F.relu if args.activation == "relu" else F.gelu
 
     def forward(self, x, meta, kv):
@@ -58,12 +59,12 @@ class OPTForCausalLM(nn.Module):
         emb_dim = args.word_embed_proj_dim or args.hidden_size
         self.embed = nn.Embedding(args.vocab_size, emb_dim)
         self.embed_positions = nn.Embedding(args.max_position + POSITION_OFFSET, args.hidden_size)
-        self.project_in = nn.Linear(emb_dim, args.hidden_size, bias=False) if args.word_embed_proj_dim else None
-        self.project_out = nn.Linear(args.hidden_size, emb_dim, bias=False) if args.word_embed_proj_dim else None
+        self.project_in = Linear(emb_dim, args.hidden_size, bias=False) if args.word_embed_proj_dim else None
+        self.project_out = Linear(args.hidden_size, emb_dim, bias=False) if args.word_embed_proj_dim else None
         self.layers = nn.ModuleList(OPTBlock(args, backend) for _ in range(args.num_layers))
         # OPT-350M (post-norm) has no final LayerNorm
         self.final_norm = nn.LayerNorm(args.hidden_size) if args.do_layer_norm_before and final_norm else None
-        self.lm_head = None if args.tie_embeddings else nn.Linear(emb_dim, args.vocab_size, bias=False)
+        self.lm_head = None if args.tie_embeddings else Linear(emb_dim, args.vocab_size, bias=False)
 
     def forward(self, input_ids, positions, meta: AttentionMeta, kv: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
@@ -80,7 +81,7 @@ class OPTForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return linear(hidden, w).float()
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy weights named as in HF's ``OPTForCausalLM`` (``model.decoder.*``), fusing q/k/v."""

@@ -3,6 +3,7 @@
     aserve label --out predictors/data/labels_smollm2.jsonl [--limit N --max-tokens 1024 ...]
     aserve predictor train --backend sklearn --granularity 200 [--labels F --prompts F --out DIR]
     aserve predictor eval --backend retrieval --json out.json [--prompts F --labels F]
+    aserve predictor trace --out /tmp/heldout.jsonl [--num-requests 128 --rate 1.0]
 
 Bad input raises ValueError / FileNotFoundError naming the field; ``cli.main`` turns those into
 one line on stderr and exit code 2.
@@ -49,6 +50,16 @@ def add_predictor_commands(subparsers, engine_args: Optional[Callable] = None,
     e.add_argument("--threads", type=int, default=1, help="torch threads while measuring (server: 1, parallel mode)")
     e.add_argument("--latency-samples", type=int, default=200, help="single predictions timed for p50/p99")
     e.set_defaults(func=cmd_eval)
+    tr = psub.add_parser("trace", help="write a replay trace of held-out prompts whose output lengths are their labels")
+    tr.add_argument("--labels", default=str(DEFAULT_LABELS), help="labels JSONL from 'aserve label'")
+    tr.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="prompts JSONL the labels refer to")
+    tr.add_argument("--out", required=True, help="trace JSONL to write (it holds prompt text: keep it out of git)")
+    tr.add_argument("--num-requests", type=int, default=128)
+    tr.add_argument("--rate", type=float, default=1.0, help="mean arrivals per second (Gamma gaps)")
+    tr.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape: 1 = Poisson, < 1 = burstier")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--all", dest="use_all", action="store_true", help="draw from every label, not only the test split")
+    tr.set_defaults(func=cmd_trace)
     _add_label_command(subparsers, engine_args, engine_config)
 
 
@@ -117,6 +128,38 @@ def cmd_eval(a: argparse.Namespace) -> int:
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(report, indent=1))
     _print_table(report)
+    return 0
+
+
+def cmd_trace(a: argparse.Namespace) -> int:
+    """A replay trace in which the true output length of every prompt is known: the held-out
+    prompts (never trained on) with their labelled greedy lengths as the output to generate,
+    so ``aserve replay --predictor B`` can be set beside ``--predictor oracle`` on equal terms."""
+    import random
+
+    from aserve.traces import gamma_arrivals
+    from predictors.dataset import load_examples, split_by_id
+
+    if a.num_requests < 1:
+        raise ValueError(f"--num-requests must be >= 1, got {a.num_requests}")
+    if a.rate <= 0 or a.burstiness <= 0:
+        raise ValueError(f"--rate and --burstiness must be > 0, got {a.rate}, {a.burstiness}")
+    examples = load_examples(a.prompts, a.labels)
+    pool = examples if a.use_all else split_by_id(examples)[1]
+    pool = [e for e in pool if e.length >= 1]
+    if len(pool) < a.num_requests:
+        raise ValueError(f"--num-requests {a.num_requests}: only {len(pool)} labelled prompts in "
+                         f"{'the label file' if a.use_all else 'its test split'}")
+    picked = random.Random(a.seed).sample(pool, a.num_requests)
+    times = gamma_arrivals(len(picked), a.rate, a.burstiness, a.seed)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        for t, e in zip(times, picked):
+            f.write(json.dumps({"timestamp": round(t, 6), "prompt": e.prompt, "output_tokens": e.length,
+                                "id": e.id}) + "\n")
+    print(f"wrote {out}: {len(picked)} held-out prompts, mean output {sum(e.length for e in picked) / len(picked):.0f} "
+          f"tokens, {a.rate} req/s")
     return 0
 
 

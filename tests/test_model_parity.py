@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from aserve.runner import SeqWork, StepInput
+from model import native
 from tests.tiny import LLAMA, OPT, hf_model, make_runner, ours, prefill_logits
 
 CONFIGS = {
@@ -18,8 +19,11 @@ def hf_logits(hf, ids):
         return hf(torch.tensor([ids])).logits[0].float()
 
 
+NATIVE = pytest.param("native", marks=pytest.mark.skipif(not native.available(), reason="C++ kernels do not build"))
+
+
 @pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", NATIVE])
 def test_logits_match_transformers(name, backend):
     cfg = CONFIGS[name]
     hf = hf_model(cfg)
@@ -49,12 +53,13 @@ def test_chunked_prefill_equals_single_pass(name, chunk):
 
 
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "opt-postnorm-proj"])
-def test_paged_decode_equals_recompute(name):
+@pytest.mark.parametrize("backend", ["reference", NATIVE])
+def test_paged_decode_equals_recompute(name, backend):
     """Decode 12 greedy tokens one by one through the paged cache; each step's logits equal a
     full recompute of the whole sequence, and transformers' own logits."""
     cfg = CONFIGS[name]
     hf = hf_model(cfg)
-    runner, blocks = make_runner(ours(cfg, hf), block_size=4)
+    runner, blocks = make_runner(ours(cfg, hf, backend=backend), block_size=4)
     ids = list(range(3, 23))
     block_ids = []
     logits = prefill_logits(runner, blocks, ids, 512, block_ids)[-1]
@@ -73,7 +78,7 @@ def test_paged_decode_equals_recompute(name):
     assert blocks.num_free == blocks.num_blocks
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", NATIVE])
 def test_mixed_batch_equals_separate_steps(backend):
     """One forward holding two prompt chunks (one a continuation) and three decodes gives the
     same logits as running each request alone."""

@@ -73,3 +73,27 @@ def test_cli_errors_name_the_field(labels, tmp_path):
 def test_label_command_is_registered():
     args = parser().parse_args(["label", "--limit", "5", "--max-tokens", "8", "--threads", "1"])
     assert args.limit == 5 and args.max_tokens == 8 and callable(args.func)
+
+
+def test_trace_writes_held_out_prompts_with_their_labelled_lengths(labels, tmp_path):
+    from aserve.trace_formats import read_aserve
+    from predictors.dataset import is_test, read_labels
+
+    out = tmp_path / "heldout.jsonl"
+    assert run("predictor", "trace", "--labels", labels, "--out", out, "--num-requests", 20, "--rate", 4) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    truth = {lab.id: lab.length for lab in read_labels(labels)}
+    prompts = {p.id: p.prompt for p in load_prompts()}
+    assert len(rows) == 20 and len({r["id"] for r in rows}) == 20
+    assert all(is_test(r["id"]) and r["output_tokens"] == truth[r["id"]] and r["prompt"] == prompts[r["id"]]
+               for r in rows)
+    times = [r["timestamp"] for r in rows]
+    assert times == sorted(times) and times[0] == 0 and 1 < times[-1] < 20  # about 19 gaps of 0.25 s
+    trace = read_aserve(out, lambda text: len(text.split()))  # the replay reads it back, text and all
+    assert [r.output_tokens for r in trace.requests] == [r["output_tokens"] for r in rows]
+    assert all(r.prompt_text for r in trace.requests)
+
+
+def test_trace_refuses_more_requests_than_the_test_split_has(labels, tmp_path):
+    with pytest.raises(ValueError, match="--num-requests 5000: only"):
+        run("predictor", "trace", "--labels", labels, "--out", tmp_path / "t.jsonl", "--num-requests", 5000)

@@ -71,6 +71,10 @@ def test_report_shape_and_sane_numbers(replayed):
         assert s["throughput_rps"] > 0 and s["output_tokens_per_s"] > 0 and s["resource_usage_s"] > 0
         assert 0 <= s["goodput_rps"] <= s["throughput_rps"]
         assert s["flips"] == 0 and s["stalls"]["count"] >= 0
+        # the default predictor is the oracle: replay hands it every request's true length
+        pred = s["predictor"]
+        assert pred["name"] == "oracle" and (pred["predictions"], pred["fallbacks"], pred["scored"]) == (6, 0, 6)
+        assert s["predictor_accuracy"] == 1.0
     tetri, vllm = report["systems"]["tetri"], report["systems"]["vllm"]
     assert tetri["perf_per_dollar_vs_first"] == 1.0 and vllm["perf_per_dollar_vs_first"] > 0
     assert tetri["kv_bytes_moved"] > 0 and vllm["kv_bytes_moved"] == 0  # only disagg hands KV over

@@ -8,60 +8,173 @@
 //   ctx_lens [B] int64                 tokens each request has in the cache (this one included)
 //
 // Work is split over (request, kv head) pairs; each pair serves its G = H / H_kv query heads,
-// so every K/V row is read once for all heads of its group.
-#include <torch/extension.h>
+// so every K/V row is read once for all heads of its group. With AVX-512 (and a head size that
+// is a multiple of 16) rows are widened to fp32 in registers and the softmax is exponentiated
+// 16 lanes at a time; elsewhere a scalar loop does the same sums.
+//
+// This file also defines the Python module, which holds linear_bf16 from linear_bf16.cpp.
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define ASERVE_AVX512 1
+#endif
+
 namespace {
+
+// Scalar path: any head size, any build.
+template <typename T>
+void decode_item_scalar(const T* q, const T* k, const T* v, const int64_t* table, int64_t n, T* out, int64_t h,
+                        int64_t H_kv, int64_t G, int64_t D, int64_t BS, float scale, std::vector<float>& scores) {
+  std::vector<float> qf(G * D), acc(G * D, 0.f), kf(D);
+  scores.assign(G * n, 0.f);
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  for (int64_t t = 0; t < n; ++t) {  // pass 1: scores = q . k
+    const T* kr = k + ((table[t / BS] * BS + t % BS) * H_kv + h) * D;
+    for (int64_t d = 0; d < D; ++d) kf[d] = static_cast<float>(kr[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * kf[d];
+      scores[g * n + t] = s;
+    }
+  }
+  std::vector<float> inv_sum(G);
+  for (int64_t g = 0; g < G; ++g) {  // softmax over each head's row
+    float* row = scores.data() + g * n;
+    const float m = *std::max_element(row, row + n);
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) { row[t] = std::exp(row[t] - m); sum += row[t]; }
+    inv_sum[g] = 1.f / sum;
+  }
+  for (int64_t t = 0; t < n; ++t) {  // pass 2: out = p . v
+    const T* vr = v + ((table[t / BS] * BS + t % BS) * H_kv + h) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * n + t];
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * static_cast<float>(vr[d]);
+    }
+  }
+  for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(acc[i] * inv_sum[i / D]);
+}
+
+#ifdef ASERVE_AVX512
+constexpr int64_t kMaxVec = 16;  // head sizes up to 256 on the vector path
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// e^x for x <= 0 (softmax after the max is taken out): 2^(x log2 e) split into an integer
+// power (applied exactly by scalef) and a fraction in [-0.5, 0.5] whose 2^f is a degree-7
+// Taylor polynomial (relative error below 1e-8).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.540353039338161e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355814642844e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Vector path: D a multiple of 16. K and V rows are widened to fp32 in registers, once per
+// row for all G query heads of the group; the softmax row is exponentiated 16 lanes at a time.
+template <typename T>
+void decode_item_avx512(const T* q, const T* k, const T* v, const int64_t* table, int64_t n, T* out, int64_t h,
+                        int64_t H_kv, int64_t G, int64_t D, int64_t BS, float scale, std::vector<float>& scores) {
+  const int64_t nv = D / 16;
+  std::vector<float> qf(G * D), acc(G * D, 0.f);
+  scores.resize(G * n);
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  __m512 row[kMaxVec];
+  for (int64_t t = 0; t < n; ++t) {  // pass 1: scores = q . k
+    const T* kr = k + ((table[t / BS] * BS + t % BS) * H_kv + h) * D;
+    for (int64_t j = 0; j < nv; ++j) row[j] = load16(kr + 16 * j);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf.data() + g * D;
+      __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), row[0]);
+      for (int64_t j = 1; j < nv; ++j) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), row[j], s);
+      scores[g * n + t] = _mm512_reduce_add_ps(s);
+    }
+  }
+  std::vector<float> inv_sum(G);
+  const int64_t full = n / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - full)) - 1u);
+  for (int64_t g = 0; g < G; ++g) {  // softmax over each head's row
+    float* r = scores.data() + g * n;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < full; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(r + t));
+    if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, r + full));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < full; t += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(r + t), m));
+      _mm512_storeu_ps(r + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (tail) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, r + full), m));
+      _mm512_mask_storeu_ps(r + full, tail, e);
+      sum = _mm512_mask_add_ps(sum, tail, sum, e);
+    }
+    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  for (int64_t t = 0; t < n; ++t) {  // pass 2: out = p . v
+    const T* vr = v + ((table[t / BS] * BS + t % BS) * H_kv + h) * D;
+    for (int64_t j = 0; j < nv; ++j) row[j] = load16(vr + 16 * j);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * n + t]);
+      float* ag = acc.data() + g * D;
+      for (int64_t j = 0; j < nv; ++j)
+        _mm512_storeu_ps(ag + 16 * j, _mm512_fmadd_ps(p, row[j], _mm512_loadu_ps(ag + 16 * j)));
+    }
+  }
+  for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(acc[i] * inv_sum[i / D]);
+}
+#endif
 
 template <typename T>
 void decode_kernel(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* ctx_lens, T* out,
                    int64_t B, int64_t H, int64_t H_kv, int64_t D, int64_t BS, int64_t max_blocks, float scale) {
   const int64_t G = H / H_kv;
+#ifdef ASERVE_AVX512
+  const bool vec = D % 16 == 0 && D / 16 <= kMaxVec;
+#endif
   at::parallel_for(0, B * H_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores, kf(D);
+    std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / H_kv, h = item % H_kv, n = ctx_lens[b];
-      scores.assign(G * n, 0.f);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[(b * H + h * G + g) * D + d]) * scale;
-      for (int64_t t = 0; t < n; ++t) {  // pass 1: scores = q . k
-        const T* kr = k + ((tables[b * max_blocks + t / BS] * BS + t % BS) * H_kv + h) * D;
-        for (int64_t d = 0; d < D; ++d) kf[d] = static_cast<float>(kr[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          float s = 0.f;
-          const float* qg = qf.data() + g * D;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * kf[d];
-          scores[g * n + t] = s;
+      const T* qi = q + (b * H + h * G) * D;
+      T* oi = out + (b * H + h * G) * D;
+      const int64_t* table = tables + b * max_blocks;
+#ifdef ASERVE_AVX512
+      if constexpr (!std::is_same_v<T, double>) {  // double stays scalar
+        if (vec) {
+          decode_item_avx512(qi, k, v, table, n, oi, h, H_kv, G, D, BS, scale, scores);
+          continue;
         }
       }
-      std::vector<float> inv_sum(G);
-      for (int64_t g = 0; g < G; ++g) {  // softmax over each head's row
-        float* row = scores.data() + g * n;
-        const float m = *std::max_element(row, row + n);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) { row[t] = std::exp(row[t] - m); sum += row[t]; }
-        inv_sum[g] = 1.f / sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {  // pass 2: out = p . v
-        const T* vr = v + ((tables[b * max_blocks + t / BS] * BS + t % BS) * H_kv + h) * D;
-        for (int64_t d = 0; d < D; ++d) kf[d] = static_cast<float>(vr[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * n + t];
-          float* ag = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * kf[d];
-        }
-      }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          out[(b * H + h * G + g) * D + d] = static_cast<T>(acc[g * D + d] * inv_sum[g]);
+#endif
+      decode_item_scalar(qi, k, v, table, n, oi, h, H_kv, G, D, BS, scale, scores);
     }
   });
 }
@@ -87,4 +200,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode, "paged decode attention (CPU)"); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("linear_bf16", &linear_bf16, "bf16 linear for decode-sized batches (CPU, AVX512-BF16)", py::arg("x"),
+        py::arg("w"), py::arg("bias") = py::none());
+  m.def("has_bf16_linear", &has_bf16_linear, "whether this build has the AVX512-BF16 linear");
+}

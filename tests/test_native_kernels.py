@@ -1,0 +1,89 @@
+"""Our C++ CPU kernels against plain torch: paged decode attention (vector and scalar paths,
+fp32 and bf16, ragged contexts) and the bf16 linear for decode-sized batches."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="aserve's C++ kernels do not build here")
+
+
+def dense_decode(q, k_cache, v_cache, tables, lens, scale):
+    """The same attention with gathered, dense float32 tensors, one request at a time."""
+    b, h, d = q.shape
+    h_kv = k_cache.shape[2]
+    out = torch.empty(b, h, d)
+    for i in range(b):
+        n = int(lens[i])
+        k = k_cache[tables[i]].reshape(-1, h_kv, d)[:n].float().repeat_interleave(h // h_kv, dim=1)
+        v = v_cache[tables[i]].reshape(-1, h_kv, d)[:n].float().repeat_interleave(h // h_kv, dim=1)
+        p = (torch.einsum("hd,thd->ht", q[i].float(), k) * scale).softmax(-1)
+        out[i] = torch.einsum("ht,thd->hd", p, v)
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (6, 2, 24), (8, 2, 128)])
+def test_paged_decode_matches_dense(dtype, tol, heads, kv_heads, head_dim):
+    g = torch.Generator().manual_seed(heads * head_dim)
+    bs, max_blocks = 16, 6
+    lens = torch.tensor([1, 15, 16, 17, 50, 96])  # partial blocks, exact blocks, one token
+    k_cache = torch.randn(64, bs, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(64, bs, kv_heads, head_dim, generator=g).to(dtype)
+    tables = torch.randperm(64, generator=g)[:len(lens) * max_blocks].view(len(lens), max_blocks)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    scale = head_dim ** -0.5
+    got = native.paged_decode(q, k_cache, v_cache, tables, lens, scale).float()
+    want = dense_decode(q, k_cache, v_cache, tables, lens, scale)
+    assert (got - want).abs().max().item() <= tol
+
+
+def test_paged_decode_softmax_survives_large_scores():
+    """Scores far apart (one dominant key) must not overflow or underflow into NaN."""
+    k_cache = torch.zeros(4, 16, 1, 16)
+    v_cache = torch.randn(4, 16, 1, 16)
+    k_cache[0, 3] = 50.0  # q . k = 50 * 50 * 16 * scale: every other key is e^-big
+    q = torch.full((1, 1, 16), 50.0)
+    out = native.paged_decode(q, k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([20]), 0.25)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out[0, 0], v_cache[0, 3], atol=1e-5)
+
+
+needs_bf16 = pytest.mark.skipif(not native.bf16_linear_available(), reason="CPU has no AVX512-BF16")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("n,k,bias", [(13, 64, False), (960, 576, False), (96, 32, True), (1000, 1536, True)])
+def test_linear_bf16_matches_float_reference(rows, n, k, bias):
+    g = torch.Generator().manual_seed(n + k + rows)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    got = native.load().linear_bf16(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    # one bf16 rounding of the fp32 sum (relative 2^-8) plus summation-order noise
+    assert ((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-4 * k ** 0.5).all()
+
+
+@needs_bf16
+def test_linear_dispatch_keeps_torch_where_ours_does_not_apply():
+    w = torch.randn(40, 64).bfloat16()
+    big = torch.randn(native.LINEAR_MAX_ROWS + 1, 64).bfloat16()
+    assert torch.equal(native.linear(big, w), F.linear(big, w))  # too many rows: torch's matmul
+    odd, w48 = torch.randn(2, 48).bfloat16(), torch.randn(40, 48).bfloat16()
+    assert torch.equal(native.linear(odd, w48), F.linear(odd, w48))  # width not a multiple of 32
+    small = torch.randn(2, 64).bfloat16()
+    assert torch.equal(native.linear(small, w), native.load().linear_bf16(small, w))  # ours
+
+
+def test_linear_bf16_rejects_bad_shapes():
+    if not native.bf16_linear_available():
+        pytest.skip("CPU has no AVX512-BF16")
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        native.load().linear_bf16(torch.randn(1, 48).bfloat16(), torch.randn(4, 48).bfloat16())
+    with pytest.raises(RuntimeError, match="bias"):
+        native.load().linear_bf16(torch.randn(1, 32).bfloat16(), torch.randn(4, 32).bfloat16(),
+                                  torch.randn(3).bfloat16())
