@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     bi.add_argument("--json", default=None, help="write the results here")
     add_engine_args(bi)
     bi.set_defaults(func=cmd_bench_interference)
+    from aserve.bench_capacity import add_capacity_parser
+
+    add_capacity_parser(bsub)
 
     pr = sub.add_parser("profile", help="measure the engine to choose a setting")
     prsub = pr.add_subparsers(dest="profile", required=True)
