@@ -21,7 +21,7 @@ class StopChecker:
             return "stop"
         if sp.stop and self._tail_has_stop(req):
             return "stop"
-        if req.num_output_tokens >= sp.max_tokens:
+        if req.num_output_tokens >= (sp.length_after or sp.max_tokens):
             return "length"
         return None
 

@@ -80,9 +80,17 @@ class ReplayProgress:
             self.bar.update(self.task, done=self.done)
 
 
-def sampling_for(req: TraceRequest) -> SamplingParams:
-    """Exactly the trace's output length: greedy, EOS ignored."""
-    return SamplingParams(max_tokens=req.output_tokens, temperature=0.0, ignore_eos=True)
+def sampling_for(req: TraceRequest, max_tokens: Optional[int] = None) -> SamplingParams:
+    """Exactly the trace's output length: greedy, EOS ignored. ``max_tokens`` is the cap the
+    policies see (default: the length itself); a larger one keeps the true length from them."""
+    cap = max(req.output_tokens, max_tokens or req.output_tokens)
+    return SamplingParams(max_tokens=cap, temperature=0.0, ignore_eos=True, length_after=req.output_tokens)
+
+
+def replay_cap(longest_output: int, context: int, prompt_tokens: int) -> int:
+    """The ``max_tokens`` a replayed request is sent with: the trace's longest output (the same
+    for every request, so it says nothing about this one), within the model's context."""
+    return max(1, min(longest_output, context - prompt_tokens))
 
 
 async def drive(trace: Trace, send: Callable[[int], Awaitable[RequestRecord]],
@@ -140,11 +148,11 @@ class _Sampler:
 
 
 async def _cluster_request(cluster, i: int, req: TraceRequest, ids: list[int], base: float,
-                           progress: ReplayProgress) -> RequestRecord:
+                           progress: ReplayProgress, cap: int) -> RequestRecord:
     arrival = cluster.clock.now() - base
     try:
         # the trace's output length is exactly what will be generated: the oracle predictor's answer
-        handle = cluster.submit(ids, sampling_for(req), request_id=f"trace-{i}", prompt_text=req.prompt_text or "",
+        handle = cluster.submit(ids, sampling_for(req, cap), request_id=f"trace-{i}", prompt_text=req.prompt_text or "",
                                 oracle_length=req.output_tokens)
     except ValueError as e:  # PromptTooLong and bad parameters
         progress.request_done()
@@ -213,7 +221,9 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
         sampler = _Sampler(cluster, base, {k: v[0] for k, v in c0.items()})
         task = asyncio.create_task(sampler.run())
         progress.system(spec.name, trace)
-        send = lambda i: _cluster_request(cluster, i, trace.requests[i], prompts[i], base, progress)  # noqa: E731
+        longest = max((r.output_tokens for r in trace.requests), default=1)
+        send = lambda i: _cluster_request(cluster, i, trace.requests[i], prompts[i], base, progress,  # noqa: E731
+                                          replay_cap(longest, bundle.args.max_position, len(prompts[i])))
         try:
             records = await drive(trace, send, timeout_s)
         finally:

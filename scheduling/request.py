@@ -23,10 +23,16 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # benchmark replays: end with "length" after exactly this many tokens. Unlike max_tokens it
+    # is no bound that schedulers, reservations or predictors read, so a replay that must
+    # generate a trace's length does not hand every policy the true length for free
+    length_after: Optional[int] = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.length_after is not None and not 1 <= self.length_after <= self.max_tokens:
+            raise ValueError(f"length_after must be in [1, max_tokens={self.max_tokens}], got {self.length_after!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:

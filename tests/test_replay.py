@@ -144,3 +144,22 @@ def test_drive_respects_arrivals_and_timeout():
     assert [r.status for r in records] == ["completed", "completed", "aborted", "aborted"]
     assert len(started) == 3 and started[2] - started[0] == pytest.approx(0.1, abs=0.05)
     assert "not sent" in records[3].error
+
+
+def test_replayed_requests_do_not_carry_their_true_length_as_max_tokens():
+    """Policies and predictors read max_tokens; a replay must not hand them the answer."""
+    from aserve.output import StopChecker
+    from aserve.replay import replay_cap, sampling_for
+    from scheduling.request import Request, SamplingParams
+
+    sp = sampling_for(TraceRequest(0.0, 10, 37), replay_cap(500, 8192, 10))
+    assert (sp.max_tokens, sp.length_after, sp.ignore_eos) == (500, 37, True)
+    assert replay_cap(500, 300, 100) == 200  # never past the context window
+    assert sampling_for(TraceRequest(0.0, 10, 37)).max_tokens == 37  # no cap given: the length itself
+    stops = StopChecker(tokenizer=None, eos_token_ids=(2,))
+    req = Request("r", [5, 6], sp)
+    for n in range(37):
+        req.output_token_ids.append(2)  # EOS is ignored
+        assert stops.check(req) == ("length" if n == 36 else None)
+    with pytest.raises(ValueError, match="length_after"):
+        SamplingParams(max_tokens=5, length_after=6)
