@@ -1,11 +1,11 @@
 """Small building blocks shared by the model families: Linear, RMSNorm, rotary embedding."""
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from model.native import linear
 
 
 class Linear(nn.Linear):
@@ -14,19 +14,6 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """``F.linear``, through our bf16 kernel where it is faster (see ``model.native.linear``)."""
-    if x.dtype is torch.bfloat16 and x.device.type == "cpu" and NATIVE_LINEAR:
-        from model import native
-
-        return native.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-# ASERVE_NATIVE_LINEAR=0 keeps every linear on torch's matmul (for A/B measurements)
-NATIVE_LINEAR = os.environ.get("ASERVE_NATIVE_LINEAR", "1") != "0"
 
 
 class RMSNorm(nn.Module):

@@ -11,7 +11,8 @@ from torch import nn
 
 from model.attention import AttentionMeta, paged_attention, write_kv
 from model.config import ModelArgs
-from model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope, linear
+from model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from model.native import linear
 
 
 class LlamaAttention(nn.Module):

@@ -8,6 +8,7 @@ cached under ~/.cache/torch_extensions), and skipped with a clear reason where n
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -19,6 +20,8 @@ _SOURCES = [str(_CSRC / "paged_attention.cpp"), str(_CSRC / "linear_bf16.cpp")]
 # rows up to which our bf16 linear beats torch's matmul on the machines measured (see
 # docs/BENCHMARKS.md, "Engine"); above it the matmul's blocking wins
 LINEAR_MAX_ROWS = 8
+# ASERVE_NATIVE_LINEAR=0 keeps every linear on torch's matmul (for A/B measurements)
+NATIVE_LINEAR = os.environ.get("ASERVE_NATIVE_LINEAR", "1") != "0"
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,8 +59,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` with our bf16 kernel where it is faster: bf16 CPU tensors, at most
-    ``LINEAR_MAX_ROWS`` rows, an input width that is a multiple of 32."""
-    if (x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.device.type == "cpu"
+    ``LINEAR_MAX_ROWS`` rows, an input width that is a multiple of 32. Called by every linear
+    layer of every step: the cheapest tests come first."""
+    if (NATIVE_LINEAR and x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.device.type == "cpu"
             and x.dim() == 2 and x.shape[0] <= LINEAR_MAX_ROWS and x.shape[1] % 32 == 0
             and not torch.is_grad_enabled() and bf16_linear_available()):
         return load().linear_bf16(x, weight, bias)

@@ -9,8 +9,9 @@ from torch import nn
 
 from model.attention import AttentionMeta, paged_attention, write_kv
 from model.config import ModelArgs
-from model.layers import Linear, linear
+from model.layers import Linear
 from model.llama import _load_exact
+from model.native import linear
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2 (fairseq legacy)
 

@@ -31,13 +31,28 @@
 
 namespace {
 
+// One thread's buffers, sized once and reused for every (request, kv head) item it serves:
+// qf the group's scaled queries in fp32, acc their outputs, scores their softmax rows.
+struct Scratch {
+  std::vector<float> qf, acc, kf, inv_sum, scores;
+
+  template <typename T>
+  void start(const T* q, int64_t G, int64_t D, int64_t n, float scale) {
+    qf.resize(G * D);
+    acc.assign(G * D, 0.f);
+    kf.resize(D);
+    inv_sum.resize(G);
+    scores.resize(G * n);
+    for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  }
+};
+
 // Scalar path: any head size, any build.
 template <typename T>
 void decode_item_scalar(const T* q, const T* k, const T* v, const int64_t* table, int64_t n, T* out, int64_t h,
-                        int64_t H_kv, int64_t G, int64_t D, int64_t BS, float scale, std::vector<float>& scores) {
-  std::vector<float> qf(G * D), acc(G * D, 0.f), kf(D);
-  scores.assign(G * n, 0.f);
-  for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+                        int64_t H_kv, int64_t G, int64_t D, int64_t BS, float scale, Scratch& buf) {
+  buf.start(q, G, D, n, scale);
+  std::vector<float>&qf = buf.qf, &acc = buf.acc, &kf = buf.kf, &scores = buf.scores, &inv_sum = buf.inv_sum;
   for (int64_t t = 0; t < n; ++t) {  // pass 1: scores = q . k
     const T* kr = k + ((table[t / BS] * BS + t % BS) * H_kv + h) * D;
     for (int64_t d = 0; d < D; ++d) kf[d] = static_cast<float>(kr[d]);
@@ -47,7 +62,6 @@ void decode_item_scalar(const T* q, const T* k, const T* v, const int64_t* table
       scores[g * n + t] = s;
     }
   }
-  std::vector<float> inv_sum(G);
   for (int64_t g = 0; g < G; ++g) {  // softmax over each head's row
     float* row = scores.data() + g * n;
     const float m = *std::max_element(row, row + n);
@@ -100,11 +114,10 @@ inline __m512 exp16(__m512 x) {
 // row for all G query heads of the group; the softmax row is exponentiated 16 lanes at a time.
 template <typename T>
 void decode_item_avx512(const T* q, const T* k, const T* v, const int64_t* table, int64_t n, T* out, int64_t h,
-                        int64_t H_kv, int64_t G, int64_t D, int64_t BS, float scale, std::vector<float>& scores) {
+                        int64_t H_kv, int64_t G, int64_t D, int64_t BS, float scale, Scratch& buf) {
   const int64_t nv = D / 16;
-  std::vector<float> qf(G * D), acc(G * D, 0.f);
-  scores.resize(G * n);
-  for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  buf.start(q, G, D, n, scale);
+  std::vector<float>&qf = buf.qf, &acc = buf.acc, &scores = buf.scores, &inv_sum = buf.inv_sum;
   __m512 row[kMaxVec];
   for (int64_t t = 0; t < n; ++t) {  // pass 1: scores = q . k
     const T* kr = k + ((table[t / BS] * BS + t % BS) * H_kv + h) * D;
@@ -116,7 +129,6 @@ void decode_item_avx512(const T* q, const T* k, const T* v, const int64_t* table
       scores[g * n + t] = _mm512_reduce_add_ps(s);
     }
   }
-  std::vector<float> inv_sum(G);
   const int64_t full = n / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (n - full)) - 1u);
   for (int64_t g = 0; g < G; ++g) {  // softmax over each head's row
@@ -160,7 +172,7 @@ void decode_kernel(const T* q, const T* k, const T* v, const int64_t* tables, co
   const bool vec = D % 16 == 0 && D / 16 <= kMaxVec;
 #endif
   at::parallel_for(0, B * H_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    Scratch buf;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / H_kv, h = item % H_kv, n = ctx_lens[b];
       const T* qi = q + (b * H + h * G) * D;
@@ -169,12 +181,12 @@ void decode_kernel(const T* q, const T* k, const T* v, const int64_t* tables, co
 #ifdef ASERVE_AVX512
       if constexpr (!std::is_same_v<T, double>) {  // double stays scalar
         if (vec) {
-          decode_item_avx512(qi, k, v, table, n, oi, h, H_kv, G, D, BS, scale, scores);
+          decode_item_avx512(qi, k, v, table, n, oi, h, H_kv, G, D, BS, scale, buf);
           continue;
         }
       }
 #endif
-      decode_item_scalar(qi, k, v, table, n, oi, h, H_kv, G, D, BS, scale, scores);
+      decode_item_scalar(qi, k, v, table, n, oi, h, H_kv, G, D, BS, scale, buf);
     }
   });
 }
