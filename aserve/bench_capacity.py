@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -34,10 +34,6 @@ class Probe:
     delay_p50_s: Optional[float]
     completed: int
     num_requests: int
-
-    def as_dict(self) -> dict:
-        return {"rate": self.rate, "passed": self.passed, "tbt_p99_s": self.tbt_p99_s,
-                "delay_p50_s": self.delay_p50_s, "completed": self.completed, "num_requests": self.num_requests}
 
 
 def judge(summary: dict, num_requests: int, rate: float, tbt_p99: float, delay_p50: float) -> Probe:
@@ -101,9 +97,10 @@ def cmd_capacity(a: argparse.Namespace) -> int:
     from aserve.aio import run as run_loop
     from aserve.engine import ModelBundle
     from aserve.replay import ReplayProgress, SystemSpec, default_name, replay_cluster
-    from aserve.replay_cli import parse_compare
+    from aserve.replay_cli import fit_options, parse_compare
     from aserve.report import summarize
-    from aserve.traces import FitOptions, load_trace
+    from aserve.trace_formats import read_trace
+    from aserve.traces import fit
     from aserve.workloads import PromptBuilder
 
     if a.rate is not None:
@@ -114,12 +111,11 @@ def cmd_capacity(a: argparse.Namespace) -> int:
     specs = (parse_compare(a.compare, a) if a.compare else
              [SystemSpec(default_name(engine, cli.cluster_config(a)), engine, cli.cluster_config(a))])
     bundle = ModelBundle.load(engine)
-    count = lambda text: len(bundle.tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    # read (and count text prompts) once; each probe only re-times the same requests
+    raw = read_trace(a.trace, lambda text: len(bundle.tokenizer.encode(text, add_special_tokens=False)))
 
     def fitted(rate: float):
-        return load_trace(a.trace, FitOptions(a.num_requests, 1.0, rate, a.burstiness, a.max_prompt_tokens,
-                                              a.max_output_tokens, a.length_scale, bundle.args.max_position, a.seed),
-                          count)
+        return fit(raw, fit_options(a, bundle.args.max_position, rate=rate, time_scale=1.0), str(a.trace))
 
     first = fitted(a.rate_lo)
     prompts = PromptBuilder(bundle.tokenizer, Path(a.prompts) if a.prompts else None, a.seed).build(first.requests)
@@ -138,7 +134,7 @@ def cmd_capacity(a: argparse.Namespace) -> int:
                 return p
 
             cap, bound, probes = bisect_capacity(probe, a.rate_lo, a.rate_hi, a.steps)
-            results[spec.name] = {"capacity_rps": cap, "bound": bound, "probes": [p.as_dict() for p in probes]}
+            results[spec.name] = {"capacity_rps": cap, "bound": bound, "probes": [asdict(p) for p in probes]}
     base = next(iter(results.values()))["capacity_rps"]
     for r in results.values():
         r["capacity_vs_first"] = r["capacity_rps"] / base if base and r["capacity_rps"] else None

@@ -12,7 +12,6 @@ bundle is loaded once and shared.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import copy
 import shlex
 from collections import Counter
@@ -70,6 +69,18 @@ def _add_fit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompt-tokens", type=int, default=None, help="clip prompts to this length")
     g.add_argument("--max-output-tokens", type=int, default=None, help="clip outputs to this length")
     g.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and output lengths")
+
+
+def fit_options(a: argparse.Namespace, context: int, **override):
+    """The fit flags of ``a`` as ``FitOptions`` for a model of ``context`` tokens; ``override``
+    replaces fields (``bench capacity`` sets the rate it probes)."""
+    from dataclasses import replace
+
+    from aserve.traces import FitOptions
+
+    opts = FitOptions(a.num_requests, a.time_scale, a.rate, a.burstiness, a.max_prompt_tokens, a.max_output_tokens,
+                      a.length_scale, context, a.seed)
+    return replace(opts, **override)
 
 
 def register(subparsers) -> None:
@@ -148,7 +159,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
     """Fit the trace, build prompts, replay every system, print the table, write JSON and plots."""
     from aserve.replay import ReplayProgress, SystemSpec, default_name
     from aserve.report import build_report, parse_slo, print_report, write_json
-    from aserve.traces import FitOptions, load_trace
+    from aserve.traces import load_trace
     from aserve.workloads import PromptBuilder
 
     slo, engine = parse_slo(a.slo), cli.engine_config(a)
@@ -157,9 +168,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
     specs = (parse_compare(a.compare, a) if a.compare else
              [SystemSpec(a.name or default_name(engine, cli.cluster_config(a)), engine, cli.cluster_config(a))])
     bundle, tokenizer, context = _tokenizer_and_context(a, engine)
-    fit = FitOptions(a.num_requests, a.time_scale, a.rate, a.burstiness, a.max_prompt_tokens, a.max_output_tokens,
-                     a.length_scale, context, a.seed)
-    trace = load_trace(a.trace, fit, lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+    trace = load_trace(a.trace, fit_options(a, context), lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     builder = PromptBuilder(tokenizer, Path(a.prompts) if a.prompts else None, a.seed)
     prompts = builder.build(trace.requests)
     with ReplayProgress(a.progress) as progress:
