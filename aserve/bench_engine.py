@@ -74,12 +74,19 @@ def bench_decode(runner, blocks, device, batches, ctx, reps) -> dict:
     return out
 
 
-def memory_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
-    """Bytes/s of a large tensor copy (read + write counted), the memory system's practical speed."""
-    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1)
-    y = torch.empty_like(x)
-    dt = _median_time(lambda: y.copy_(x), 5, device)
-    return 2 * x.numel() * x.element_size() / dt
+def memory_bandwidth(device: str, nbytes: int = 1 << 30, rounds: int = 3) -> float:
+    """Bytes/s of a large tensor copy (read + write counted): the best of ``rounds`` fresh pairs
+    of buffers, as STREAM reports its best. On the 2-core CPU machine the first pair a process
+    copies ran at ~45 GB/s and every later one at ~75 GB/s (same sizes, same dtype), so one
+    round made the roofline depend on what the process had done before."""
+    best = 0.0
+    for _ in range(rounds):
+        x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1)
+        y = torch.empty_like(x)
+        dt = _median_time(lambda: y.copy_(x), 5, device)
+        best = max(best, 2 * x.numel() * x.element_size() / dt)
+        del x, y
+    return best
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -12,6 +12,7 @@ from torch import nn
 from model.attention import AttentionMeta, paged_attention, write_kv
 from model.config import ModelArgs
 from model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from model import native
 from model.native import linear
 
 
@@ -78,10 +79,32 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMeta, kv: torch.Tensor) -> torch.Tensor:
         # kv: the pool [L, 2, num_blocks, block_size, H_kv, D]
         x = self.embed(input_ids)  # [T, hidden]
+        if self._native_step(x, meta):
+            cos, sin = self.rope.cos[positions].float(), self.rope.sin[positions].float()
+            return native.llama_decode(x, cos, sin, self._step_weights(), self.norm.weight, kv, meta.slot_mapping,
+                                       meta.decode_block_tables, meta.decode_ctx_lens, self.args.num_heads,
+                                       self.args.norm_eps, self.layers[0].attn.scale)
         rope = self.rope.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, meta, kv[i])
         return self.norm(x)
+
+    def _native_step(self, x: torch.Tensor, meta: AttentionMeta) -> bool:
+        """Whether this step can run as one ``native.llama_decode`` call: decode tokens only
+        (no prompt chunk, no pad), the native backend, bf16 on a CPU, no biases, no autograd."""
+        return (native.NATIVE_STEP and not meta.prefills and meta.num_decode_tokens == x.shape[0]
+                and x.dtype is torch.bfloat16 and x.device.type == "cpu" and self.layers[0].attn.backend == "native"
+                and not (self.args.attention_bias or self.args.mlp_bias) and not torch.is_grad_enabled()
+                and self.norm.weight.dtype is torch.bfloat16)
+
+    def _step_weights(self) -> list:
+        """The six weights of each layer in ``llama_decode``'s order (the Parameter objects, so
+        a later in-place load or ``.to()`` is seen)."""
+        if getattr(self, "_step_weight_list", None) is None:
+            self._step_weight_list = [w for b in self.layers for w in (
+                b.attn_norm.weight, b.attn.qkv_proj.weight, b.attn.o_proj.weight, b.mlp_norm.weight,
+                b.mlp.gate_up_proj.weight, b.mlp.down_proj.weight)]
+        return self._step_weight_list
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""

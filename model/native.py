@@ -3,7 +3,9 @@ cached under ~/.cache/torch_extensions), and skipped with a clear reason where n
 
 - ``paged_decode``: decode attention that reads K/V blocks in place (``model/csrc/paged_attention.cpp``);
 - ``linear``: a bf16 linear for decode-sized batches on CPUs with AVX512-BF16, which streams the
-  weights once (``model/csrc/linear_bf16.cpp``); larger batches stay on torch's matmul.
+  weights once (``model/csrc/linear_bf16.cpp``); larger batches stay on torch's matmul;
+- ``llama_decode``: a whole decode-only step of a bf16 LLaMA model in one call
+  (``model/csrc/llama_decode.cpp``), so the ~25 small ops per layer are not dispatched one by one.
 """
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ import torch
 import torch.nn.functional as F
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [str(_CSRC / "paged_attention.cpp"), str(_CSRC / "linear_bf16.cpp")]
+_SOURCES = [str(_CSRC / name) for name in ("paged_attention.cpp", "linear_bf16.cpp", "llama_decode.cpp")]
 # rows up to which our bf16 linear beats torch's matmul on the machines measured (see
 # docs/BENCHMARKS.md, "Engine"); above it the matmul's blocking wins
 LINEAR_MAX_ROWS = 8
 # ASERVE_NATIVE_LINEAR=0 keeps every linear on torch's matmul (for A/B measurements)
 NATIVE_LINEAR = os.environ.get("ASERVE_NATIVE_LINEAR", "1") != "0"
+# ASERVE_NATIVE_STEP=0 runs decode steps op by op in Python even where llama_decode could
+NATIVE_STEP = os.environ.get("ASERVE_NATIVE_STEP", "1") != "0"
 
 
 @functools.lru_cache(maxsize=1)
@@ -30,7 +34,7 @@ def load():
     from torch.utils.cpp_extension import load as build
 
     try:
-        return build(name="aserve_native_v3", sources=_SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        return build(name="aserve_native_v5", sources=_SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
                      extra_include_paths=[str(_CSRC)], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler missing, headers missing, ...
         raise RuntimeError(f"cannot build aserve's C++ kernels: {e}") from e
@@ -66,3 +70,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
             and not torch.is_grad_enabled() and bf16_linear_available()):
         return load().linear_bf16(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def llama_decode(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: list, final_norm: torch.Tensor,
+                 kv: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor,
+                 num_heads: int, eps: float, scale: float) -> torch.Tensor:
+    """A decode-only step through every layer: x [T, E] bf16 embeddings -> final-normed hidden
+    [T, E]; ``weights`` holds six tensors per layer (``model/csrc/llama_decode.cpp``)."""
+    return load().llama_decode(x, cos, sin, weights, final_norm, kv, slots, tables, ctx_lens, num_heads, eps, scale)

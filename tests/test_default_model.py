@@ -4,6 +4,7 @@ import torch
 
 from aserve.config import EngineConfig
 from aserve.engine import LLM, PromptTooLong
+from model import native
 from scheduling.request import SamplingParams
 from tests.tiny import make_runner, prefill_logits
 
@@ -31,6 +32,20 @@ def test_greedy_france_says_paris(default_bundle_fp32):
     out = llm.generate([QUESTION], SamplingParams(max_tokens=24, temperature=0))[0]
     assert "Paris" in out.text
     assert out.finish_reason in ("stop", "length")
+    assert llm.blocks.num_free == llm.blocks.num_blocks
+
+
+@pytest.mark.skipif(not (native.available() and native.bf16_linear_available()), reason="no AVX512-BF16 kernels here")
+def test_bf16_default_engine_says_paris_through_the_one_call_decode_step(monkeypatch):
+    """The engine's defaults (bf16, attention auto = native) decode through ``native.llama_decode``
+    (counted by wrapping the real function) and still answer the question."""
+    calls = []
+    real = native.llama_decode
+    monkeypatch.setattr(native, "llama_decode", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    llm = LLM(EngineConfig(dtype="bf16", kv_cache_gb=0.05))
+    out = llm.generate([QUESTION], SamplingParams(max_tokens=24, temperature=0))[0]
+    assert "Paris" in out.text
+    assert len(calls) == len(out.token_ids) - 1  # every step after the prompt's
     assert llm.blocks.num_free == llm.blocks.num_blocks
 
 

@@ -87,3 +87,42 @@ def test_linear_bf16_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match="bias"):
         native.load().linear_bf16(torch.randn(1, 32).bfloat16(), torch.randn(4, 32).bfloat16(),
                                   torch.randn(3).bfloat16())
+
+
+@needs_bf16
+@pytest.mark.parametrize("batch", [1, 5, 12])  # 12 rows: torch's matmul inside the step, not ours
+def test_llama_decode_step_matches_op_by_op(monkeypatch, batch):
+    """One ``native.llama_decode`` call for a decode-only step gives the op-by-op bf16 path's
+    hidden states and K/V (within bf16 rounding), and is as close to an fp32 run as that path."""
+    from aserve.runner import SeqWork, StepInput
+    from tests.tiny import LLAMA, hf_model, make_runner, ours
+
+    hf = hf_model(LLAMA)
+    model, m32 = ours(LLAMA, hf, torch.bfloat16, "native"), ours(LLAMA, hf, torch.float32, "reference")
+    (runner, blocks), (r32, _) = make_runner(model), make_runner(m32)
+    g = torch.Generator().manual_seed(batch)
+    seqs = []
+    for i in range(batch):
+        ids = torch.randint(0, LLAMA["vocab_size"], (5 + 7 * i,), generator=g).tolist()
+        block_ids = []
+        blocks.grow(block_ids, len(ids) + 1)
+        for r in (runner, r32):
+            r.forward_logits(StepInput((SeqWork(f"r{i}", tuple(ids), 0, tuple(block_ids)),)))
+        seqs.append(SeqWork(f"r{i}", (ids[-1],), len(ids), tuple(block_ids)))
+    step = StepInput(tuple(seqs))
+    before = runner.kv.pool.clone()
+    with torch.inference_mode():
+        ids, pos, meta, *_ = runner._prepare(step)
+        assert model._native_step(model.embed(ids), meta)
+        fused = model(ids, pos, meta, runner.kv.pool).float()
+        fused_kv = runner.kv.pool.clone()
+        runner.kv.pool.copy_(before)
+        monkeypatch.setattr(native, "NATIVE_STEP", False)
+        assert not model._native_step(model.embed(ids), meta)
+        op_by_op = model(ids, pos, meta, runner.kv.pool).float()
+        ids32, pos32, meta32, *_ = r32._prepare(step)
+        exact = m32(ids32, pos32, meta32, r32.kv.pool)
+    assert not torch.equal(fused_kv, before)  # the step wrote its K/V
+    assert (fused_kv.float() - runner.kv.pool.float()).abs().max().item() <= 4e-3  # one bf16 rounding of RoPE
+    assert (fused - op_by_op).abs().max().item() <= 3e-2
+    assert (fused - exact).abs().max().item() <= 1.25 * (op_by_op - exact).abs().max().item() + 5e-3

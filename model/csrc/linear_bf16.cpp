@@ -4,7 +4,8 @@
 // that do not fit in cache, so the step costs one pass over the weights: the kernel is only as
 // fast as its reads. torch's bf16 matmul reaches about a quarter of the machine's bandwidth at
 // M = 1 here; this one walks W once, four output rows at a time, and multiplies every row of x
-// against each W tile while it sits in L1 (vdpbf16ps: pairs of bf16 products summed in fp32).
+// against each W tile while it sits in L1 (vdpbf16ps: pairs of bf16 products summed in fp32),
+// prefetching the weights a few KiB ahead of the tile it is on.
 //
 //   x [M, K] bf16 (K a multiple of 32), w [N, K] bf16, bias [N] (any float dtype) or none
 //   returns [M, N] bf16, each value rounded once from its fp32 sum
@@ -20,6 +21,10 @@
 
 namespace {
 constexpr int64_t kRowsPerTile = 4;
+// Software prefetch distance. The hardware prefetcher alone kept one core at ~16 GB/s on this
+// machine (AMD EPYC); asking 4 KiB ahead raised the two cores from 28 to 38 GB/s over the default
+// model's weights (2-8 KiB measured the same; 1 KiB less).
+constexpr int64_t kPrefetchBytes = 4096;
 
 #ifdef ASERVE_BF16_DP
 void linear_rows(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, c10::BFloat16* y, int64_t M,
@@ -35,6 +40,9 @@ void linear_rows(const c10::BFloat16* x, const c10::BFloat16* w, const float* bi
       __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps(),
              acc3 = _mm512_setzero_ps();
       for (int64_t c = 0; c < kv; ++c) {
+        if (m == 0)  // the first pass over the tile asks for the weights kPrefetchBytes ahead
+          for (int64_t r = 0; r < kRowsPerTile; ++r)
+            _mm_prefetch(reinterpret_cast<const char*>(wr[r] + c) + kPrefetchBytes, _MM_HINT_T0);
         const __m512bh xv = (__m512bh)_mm512_loadu_si512(xm + c);
         acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(wr[0] + c), xv);
         acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(wr[1] + c), xv);

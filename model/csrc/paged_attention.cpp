@@ -191,6 +191,8 @@ void decode_kernel(const T* q, const T* k, const T* v, const int64_t* tables, co
   });
 }
 
+}  // namespace
+
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                            torch::Tensor ctx_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
@@ -210,11 +212,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
-}  // namespace
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("linear_bf16", &linear_bf16, "bf16 linear for decode-sized batches (CPU, AVX512-BF16)", py::arg("x"),
         py::arg("w"), py::arg("bias") = py::none());
+  m.def("llama_decode", &llama_decode, "a LLaMA decode-only step through every layer (CPU, bf16)");
   m.def("has_bf16_linear", &has_bf16_linear, "whether this build has the AVX512-BF16 linear");
 }
