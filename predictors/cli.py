@@ -49,6 +49,9 @@ def add_predictor_commands(subparsers, engine_args: Optional[Callable] = None,
     e.add_argument("--retrain", action="store_true", help="fit again even when a trained artefact exists")
     e.add_argument("--threads", type=int, default=1, help="torch threads while measuring (server: 1, parallel mode)")
     e.add_argument("--latency-samples", type=int, default=200, help="single predictions timed for p50/p99")
+    e.add_argument("--prefill-overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the served model's 512-token prefill alone and beside the predictor "
+                        "(loads the model; --no-prefill-overlap skips it)")
     e.set_defaults(func=cmd_eval)
     tr = psub.add_parser("trace", help="write a replay trace of held-out prompts whose output lengths are their labels")
     tr.add_argument("--labels", default=str(DEFAULT_LABELS), help="labels JSONL from 'aserve label'")
@@ -124,7 +127,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
     report = evaluate_backend(a.backend, a.prompts, a.labels, _granularities(a.granularities),
                               Path(a.model_dir) if a.model_dir else None, a.retrain, parse_options(a.option),
-                              threads=a.threads, latency_samples=a.latency_samples)
+                              threads=a.threads, latency_samples=a.latency_samples,
+                              prefill_overlap=a.prefill_overlap)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(report, indent=1))
     _print_table(report)
@@ -175,6 +179,10 @@ def _print_table(report: dict) -> None:
                       f"{r['mae_tokens']:.0f}", f"{r['latency_ms_p50']:.2f}", f"{r['latency_ms_p99']:.2f}",
                       f"{r['memory_mb']:.1f}")
     Console(file=sys.stderr).print(table)
+    if report.get("prefill_overlap"):
+        from predictors.overlap import format_overlap
+
+        Console(file=sys.stderr).print(format_overlap(report["prefill_overlap"]), highlight=False)
 
 
 def cmd_label(a: argparse.Namespace, engine_config: Callable) -> int:

@@ -21,6 +21,10 @@ Output (``aserve predictor eval --json FILE``)::
   ``none`` answers the full range, reported as the last bucket.
 - ``memory_mb``: what the predictor holds (weights, vectorisers, index), not the process;
   ``rss_delta_mb``: the process's resident-set growth while loading and warming it up.
+- ``prefill_overlap`` (top level, with ``prefill_overlap=True``; measured once, at granularity
+  200 or the first one asked): the served model's prefill of a 512-token chunk alone and while
+  the predictor predicts non-stop on another thread (``predictors/overlap.py``); null for
+  backends that answer inline (``none``, ``oracle``), which the server runs on no thread.
 """
 from __future__ import annotations
 
@@ -140,7 +144,8 @@ def online_accuracy(predictor: LengthPredictor, test: Sequence[Example], chunk: 
 def evaluate_backend(backend: str, prompts: Path | str = DEFAULT_PROMPTS, labels: Path | str = DEFAULT_LABELS,
                      granularities: Sequence[int] = GRANULARITIES, model_dir: Optional[Path] = None,
                      retrain: bool = False, options: Optional[dict] = None, test_fraction: float = TEST_FRACTION,
-                     batch_size: int = 32, latency_samples: int = 200, threads: int = 1) -> dict:
+                     batch_size: int = 32, latency_samples: int = 200, threads: int = 1,
+                     prefill_overlap: bool = False) -> dict:
     """Train (or load) and score ``backend`` at each granularity; the eval JSON as a dict.
 
     ``threads``: torch threads while measuring. One by default, as in the server, where the
@@ -148,17 +153,19 @@ def evaluate_backend(backend: str, prompts: Path | str = DEFAULT_PROMPTS, labels
     """
     with _torch_threads(threads):
         return _evaluate(backend, prompts, labels, granularities, model_dir, retrain, options, test_fraction,
-                         batch_size, latency_samples)
+                         batch_size, latency_samples, prefill_overlap)
 
 
 def _evaluate(backend, prompts, labels, granularities, model_dir, retrain, options, test_fraction,
-              batch_size, latency_samples) -> dict:
+              batch_size, latency_samples, prefill_overlap) -> dict:
     data = load_dataset(prompts, labels, test_fraction)
     if not data.test or not data.train:
         raise ValueError(f"field 'labels': {labels} has too few rows for a train/test split "
                          f"({len(data.train)} train, {len(data.test)} test)")
     report = {"backend": backend, "labels": str(labels), "max_length": data.max_length, "n_train": len(data.train),
-              "n_test": len(data.test), "torch_threads": _torch_threads_now(), "granularities": {}}
+              "n_test": len(data.test), "torch_threads": _torch_threads_now(), "granularities": {},
+              "prefill_overlap": None}
+    overlap_g = 200 if 200 in granularities else granularities[0]
     for g in granularities:
         rss0 = _rss_mb()
         predictor, how = obtain_predictor(backend, g, data, model_dir, retrain, options)
@@ -172,6 +179,10 @@ def _evaluate(backend, prompts, labels, granularities, model_dir, retrain, optio
         row["memory_mb"] = round(predictor.memory_bytes() / 2**20, 2)
         row["rss_delta_mb"] = round(_rss_mb() - rss0, 1)
         row["trained"] = how
+        if prefill_overlap and g == overlap_g and not getattr(predictor, "inline", False):
+            from predictors.overlap import prefill_slowdown
+
+            report["prefill_overlap"] = prefill_slowdown(predictor, to_requests(data.test, data.max_length))
         if predictor.learns_online:  # last: it grows the predictor's state
             row["online_accuracy"] = online_accuracy(predictor, data.test)
         report["granularities"][str(g)] = row

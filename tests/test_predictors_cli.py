@@ -45,6 +45,10 @@ def test_train_then_eval_writes_the_report(labels, tmp_path, capsys):
                 "latency_ms_batch", "memory_mb", "n"):
         assert key in g200, key
     assert g200["accuracy"] > g200["majority_accuracy"]
+    # the served model's prefill, alone and beside the predictor's thread, once (at g 200)
+    overlap = report["prefill_overlap"]
+    assert overlap["chunk"] == 512 and overlap["alone_ms"] > 0 and overlap["predictions_meanwhile"] > 0
+    assert overlap["slowdown"] == pytest.approx(overlap["with_predictor_ms"] / overlap["alone_ms"], rel=1e-2)
 
 
 def test_eval_oracle_is_perfect(labels, tmp_path):
@@ -52,6 +56,7 @@ def test_eval_oracle_is_perfect(labels, tmp_path):
                "--latency-samples", 10) == 0
     report = json.loads((tmp_path / "o.json").read_text())
     assert [r["accuracy"] for r in report["granularities"].values()] == [1.0, 1.0, 1.0]
+    assert report["prefill_overlap"] is None  # answered inline: the server runs it on no thread
 
 
 def test_cli_errors_name_the_field(labels, tmp_path):
