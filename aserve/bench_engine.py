@@ -76,9 +76,10 @@ def bench_decode(runner, blocks, device, batches, ctx, reps) -> dict:
 
 def memory_bandwidth(device: str, nbytes: int = 1 << 30, rounds: int = 3) -> float:
     """Bytes/s of a large tensor copy (read + write counted): the best of ``rounds`` fresh pairs
-    of buffers, as STREAM reports its best. On the 2-core CPU machine the first pair a process
-    copies ran at ~45 GB/s and every later one at ~75 GB/s (same sizes, same dtype), so one
-    round made the roofline depend on what the process had done before."""
+    of buffers, as STREAM reports its best. On the 2-core CPU machine one process copied its
+    first pair at ~45 GB/s and every later one at ~75 GB/s (same sizes, same dtype); in other
+    runs every pair stayed near 42-45 GB/s. The best of several takes out the first-pair effect;
+    the machine's own variation stays, and the decode step moves with it."""
     best = 0.0
     for _ in range(rounds):
         x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1)
