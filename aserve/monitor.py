@@ -181,8 +181,13 @@ def _gave_up(console: Console, url: str, e: FetchError) -> int:
 
 def run_live(source: HttpSource, console: Console, interval_s: float, compact: Optional[bool]) -> NoReturn:
     """Redraw every ``interval_s`` until Ctrl-C; the caller turns KeyboardInterrupt into exit 0.
-    SIGTERM ends it the same way, so rich gives the terminal back (the alternate screen) either way."""
+    SIGTERM ends it the same way, so rich gives the terminal back (the alternate screen) either way.
+    Both handlers are installed and both signals unblocked here, not inherited: a monitor started
+    by a process that ignores or blocks SIGINT would otherwise never see Ctrl-C (inside the full
+    test suite the SIGINT case hung until this)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     board = Dashboard(source.base_url, compact=compact)
     with Live(console=console, auto_refresh=False, screen=console.is_terminal, redirect_stderr=False) as live:
         while True:
