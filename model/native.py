@@ -34,7 +34,7 @@ def load():
     from torch.utils.cpp_extension import load as build
 
     try:
-        return build(name="aserve_native_v5", sources=_SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        return build(name="aserve_native_v6", sources=_SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
                      extra_include_paths=[str(_CSRC)], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler missing, headers missing, ...
         raise RuntimeError(f"cannot build aserve's C++ kernels: {e}") from e
@@ -77,4 +77,6 @@ def llama_decode(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights:
                  num_heads: int, eps: float, scale: float) -> torch.Tensor:
     """A decode-only step through every layer: x [T, E] bf16 embeddings -> final-normed hidden
     [T, E]; ``weights`` holds six tensors per layer (``model/csrc/llama_decode.cpp``)."""
-    return load().llama_decode(x, cos, sin, weights, final_norm, kv, slots, tables, ctx_lens, num_heads, eps, scale)
+    native_rows = LINEAR_MAX_ROWS if NATIVE_LINEAR else 0  # the same choice ``linear`` makes
+    return load().llama_decode(x, cos, sin, weights, final_norm, kv, slots, tables, ctx_lens, num_heads, eps, scale,
+                               native_rows)

@@ -179,7 +179,7 @@ def _evaluate(backend, prompts, labels, granularities, model_dir, retrain, optio
         row["memory_mb"] = round(predictor.memory_bytes() / 2**20, 2)
         row["rss_delta_mb"] = round(_rss_mb() - rss0, 1)
         row["trained"] = how
-        if prefill_overlap and g == overlap_g and not getattr(predictor, "inline", False):
+        if prefill_overlap and g == overlap_g and not predictor.inline:
             from predictors.overlap import prefill_slowdown
 
             report["prefill_overlap"] = prefill_slowdown(predictor, to_requests(data.test, data.max_length))

@@ -49,8 +49,6 @@ def prefill_slowdown(predictor, requests: Sequence[Request], chunk: int = 512, r
 
     def predict_forever() -> None:
         try:
-            predictor.predict(list(requests[:1]))
-            done[0] = 0
             while not stop.is_set():
                 predictor.predict([requests[done[0] % len(requests)]])
                 done[0] += 1

@@ -16,4 +16,4 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // (llama_decode.cpp has the argument layout).
 torch::Tensor llama_decode(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> layers,
                            torch::Tensor final_norm, torch::Tensor kv, torch::Tensor slots, torch::Tensor tables,
-                           torch::Tensor ctx_lens, int64_t num_heads, double eps, double scale);
+                           torch::Tensor ctx_lens, int64_t num_heads, double eps, double scale, int64_t native_rows);

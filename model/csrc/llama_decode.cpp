@@ -28,9 +28,10 @@
 namespace {
 using bf16 = c10::BFloat16;
 
-torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w) {
-  // the same choice model.native.linear makes (LINEAR_MAX_ROWS = 8)
-  if (x.size(0) <= 8 && has_bf16_linear()) return linear_bf16(x, w, std::nullopt);
+// our weight-streaming linear up to ``native_rows`` rows (model.native passes its own limit, 0 when
+// ASERVE_NATIVE_LINEAR=0), torch's matmul above: the choice model.native.linear makes
+torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, int64_t native_rows) {
+  if (x.size(0) <= native_rows && has_bf16_linear()) return linear_bf16(x, w, std::nullopt);
   return at::linear(x, w);
 }
 
@@ -64,7 +65,8 @@ void rope_head(const bf16* x, const float* cos, const float* sin, bf16* out, int
 
 torch::Tensor llama_decode(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> layers,
                            torch::Tensor final_norm, torch::Tensor kv, torch::Tensor slots, torch::Tensor tables,
-                           torch::Tensor ctx_lens, int64_t num_heads, double eps, double scale) {
+                           torch::Tensor ctx_lens, int64_t num_heads, double eps, double scale,
+                           int64_t native_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "llama_decode: x [T, E] bf16 CPU");
   TORCH_CHECK(kv.dim() == 6 && kv.scalar_type() == at::kBFloat16 && kv.is_contiguous(), "llama_decode: kv pool");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "llama_decode: fp32 RoPE tables");
@@ -86,6 +88,9 @@ torch::Tensor llama_decode(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
   bf16* hp = h.data_ptr<bf16>();
   bf16* np = normed.data_ptr<bf16>();
   bf16* qp = q.data_ptr<bf16>();
+  const int64_t I = layers[4].size(0) / 2;  // SwiGLU width, the same in every layer
+  auto act = torch::empty({T, I}, h.options());
+  bf16* ap = act.data_ptr<bf16>();
   const float fe = static_cast<float>(eps);
 
   for (int64_t l = 0; l < L; ++l) {
@@ -96,7 +101,7 @@ torch::Tensor llama_decode(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
     bf16* vc = v_cache.data_ptr<bf16>();
 
     rms_norm(hp, w[0].data_ptr<bf16>(), np, T, E, fe);
-    const auto qkv = project(normed, w[1]);
+    const auto qkv = project(normed, w[1], native_rows);
     const bf16* qkvp = qkv.data_ptr<bf16>();
     for (int64_t t = 0; t < T; ++t) {
       const bf16* row = qkvp + t * qkv_width;
@@ -109,22 +114,20 @@ torch::Tensor llama_decode(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
       }
     }
     const auto attn = paged_decode(q, k_cache, v_cache, tables, ctx_lens, scale);
-    const auto o = project(attn.view({T, H * D}), w[2]);
+    const auto o = project(attn.view({T, H * D}), w[2], native_rows);
     add_into(hp, o.data_ptr<bf16>(), T * E);
 
     rms_norm(hp, w[3].data_ptr<bf16>(), np, T, E, fe);
-    const auto gu = project(normed, w[4]);
-    const int64_t I = gu.size(1) / 2;
-    auto act = torch::empty({T, I}, h.options());
+    const auto gu = project(normed, w[4], native_rows);
+    TORCH_CHECK(gu.size(1) == 2 * I, "llama_decode: gate_up weight of layer ", l);
     const bf16* gup = gu.data_ptr<bf16>();
-    bf16* ap = act.data_ptr<bf16>();
     for (int64_t t = 0; t < T; ++t)
       for (int64_t i = 0; i < I; ++i) {
         const float g = static_cast<float>(gup[t * 2 * I + i]);
         const float s = static_cast<float>(bf16(g / (1.f + std::exp(-g))));
         ap[t * I + i] = bf16(s * static_cast<float>(gup[t * 2 * I + I + i]));
       }
-    const auto down = project(act, w[5]);
+    const auto down = project(act, w[5], native_rows);
     add_into(hp, down.data_ptr<bf16>(), T * E);
   }
   auto out = torch::empty_like(h);
