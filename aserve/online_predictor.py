@@ -17,7 +17,8 @@ gives) and the fallback is counted by reason (timeout | error | unknown: the ora
 length). Nothing here is ever an error for the client.
 
 Thread rule: jobs, counters and requests change on the event-loop thread only. The predictor
-thread reads a request's fixed fields (ids, text, sampling) and builds its own view of it.
+thread reads a request's fixed fields (ids, text, sampling) and builds its own view of it, and
+reads a job's ``settled`` flag to skip predictions nobody waits for any more.
 """
 from __future__ import annotations
 
@@ -151,17 +152,23 @@ class OnlinePredictor:
         while self._queue:
             batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
             try:
-                done = self.backend.run_async(self._predict_batch, [j.request for j in batch])
+                done = self.backend.run_async(self._predict_batch, batch)
             except RuntimeError as e:  # the thread is shut down (the cluster is stopping)
                 self._answer_batch(batch, None, e)
                 continue
             done.add_done_callback(lambda f, b=batch: self._to_loop(self._answered, b, f))
 
-    def _predict_batch(self, reqs: list[Request]) -> tuple[list[Optional[_Outcome]], list[Optional[Request]]]:
-        """On the predictor thread: a view of each request, then one ``predict`` for the usable ones."""
-        outcomes: list[Optional[_Outcome]] = [None] * len(reqs)
-        views: list[Optional[Request]] = [None] * len(reqs)
-        for i, req in enumerate(reqs):
+    def _predict_batch(self, jobs: list[_Job]) -> tuple[list[Optional[_Outcome]], list[Optional[Request]]]:
+        """On the predictor thread: a view of each request, then one ``predict`` for the usable ones.
+        A job already settled (its wait timed out while it sat in the queue) is skipped: nobody reads
+        its answer, and computing it anyway makes every later request in a backlog late too."""
+        outcomes: list[Optional[_Outcome]] = [None] * len(jobs)
+        views: list[Optional[Request]] = [None] * len(jobs)
+        for i, job in enumerate(jobs):
+            if job.settled:
+                outcomes[i] = TIMED_OUT
+                continue
+            req = job.request
             try:
                 views[i] = prompt_view(req, self._decode)
                 prompt_of(views[i])  # an empty prompt fails alone, not its whole batch

@@ -195,9 +195,19 @@ def _kv_bytes(cluster) -> int:
     return int(sum(link.stats().get("bytes", 0) for link in cluster.links.values()))
 
 
-def _predictor_delta(before: dict, after: dict) -> dict:
-    """The predictor's counts over the replay alone (warm-up requests taken out)."""
+def _recent_latencies(hist, count_before: int) -> list[float]:
+    """The prediction latencies recorded after the first ``count_before`` (the warm-up's)."""
+    new = sum(hist.counts) - count_before
+    return list(hist.recent)[-new:] if new > 0 else []
+
+
+def _predictor_delta(before: dict, after: dict, latencies: Sequence[float] = ()) -> dict:
+    """The predictor's counts over the replay alone (warm-up requests taken out), and the
+    latency (submit to answer, on the loop's clock) of the predictions that came back."""
     d = {k: after[k] - before[k] for k in ("predictions", "fallbacks", "hits", "scored")}
+    lat = sorted(latencies)
+    d["latency_p50_s"] = lat[len(lat) // 2] if lat else None
+    d["latency_p99_s"] = lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None
     d["fallback_reasons"] = {r: n - before["fallback_reasons"].get(r, 0) for r, n in after["fallback_reasons"].items()}
     d["accuracy"] = d["hits"] / d["scored"] if d["scored"] else None
     return {"name": after["name"], "granularity": after["granularity"], "mode": after["mode"], **d}
@@ -218,6 +228,7 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
             await _warm_up(cluster, len(bundle.tokenizer))
         c0, kv0, base = _counters(cluster), _kv_bytes(cluster), cluster.clock.now()
         pred0 = cluster.predictor.snapshot()
+        lat0 = pred0["latency"]["count"]
         sampler = _Sampler(cluster, base, {k: v[0] for k, v in c0.items()})
         task = asyncio.create_task(sampler.run())
         progress.system(spec.name, trace)
@@ -238,7 +249,8 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
         flips = max(sampler.flips(), int(cluster.counts.get("flips", 0)))
         return SystemRun(spec.name, tuple(records), instances, _kv_bytes(cluster) - kv0, flips, sampler.max_lag,
                          config={"engine": asdict(spec.engine), "cluster": asdict(spec.cluster)},
-                         flip_log=tuple(cluster.flip_log), predictor=_predictor_delta(pred0, cluster.predictor.snapshot()))
+                         flip_log=tuple(cluster.flip_log), predictor=_predictor_delta(pred0, cluster.predictor.snapshot(),
+                                                                    _recent_latencies(cluster.predictor.latency, lat0)))
     finally:
         await cluster.stop()
 

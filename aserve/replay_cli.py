@@ -173,7 +173,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
     prompts = builder.build(trace.requests)
     with ReplayProgress(a.progress) as progress:
         runs = run_loop(_run(a, specs, trace, prompts, bundle, progress))
-    summary = {**trace.summary(), "prompts": builder.source, "target": a.url or "in-process"}
+    summary = {**trace.summary(), "prompts": builder.describe(trace.requests), "target": a.url or "in-process"}
     report = build_report(summary, runs, slo, trace.num_clipped)
     print_report(report)
     if a.json:

@@ -210,6 +210,15 @@ def _latency_cell(s: dict, first: dict, key: str, is_first: bool) -> str:
     return cell if is_first or not first[key] else cell + _ratio(v["mean"], first[key]["mean"])
 
 
+def _predictions_cell(p: Optional[dict]) -> str:
+    if not p:
+        return "n/a"
+    reasons = ", ".join(f"{n} {r}" for r, n in p.get("fallback_reasons", {}).items() if n)
+    p50 = p.get("latency_p50_s")
+    return (f"{p['predictions']} / {p['fallbacks']}" + (f" ({reasons})" if reasons else "") +
+            (f", p50 {p50 * 1e3:.0f} ms" if p50 is not None else ""))
+
+
 def _rows(systems: dict) -> list[list[str]]:
     names = list(systems)
     first = systems[names[0]]
@@ -220,6 +229,8 @@ def _rows(systems: dict) -> list[list[str]]:
                     [_latency_cell(s, first, key, i == 0) for i, s in enumerate(systems.values())])
     st = [s["stalls"] for s in systems.values()]
     rows.append(["stalls (count / s)"] + [f"{x['count']} / {x['seconds']:.2f} s" for x in st])
+    if any(s.get("predictor") for s in systems.values()):  # a backend that timed out shows here, not only in JSON
+        rows.append(["predictions / fallbacks"] + [_predictions_cell(s.get("predictor")) for s in systems.values()])
     for label, key, fmt in _SCALAR_ROWS:
         cells = []
         for i, s in enumerate(systems.values()):

@@ -111,6 +111,16 @@ class PromptBuilder:
             self.rng.shuffle(self.lines)
         self.source = str(prompts_file) if prompts_file else "random token ids"
 
+    def describe(self, reqs: Sequence[TraceRequest]) -> str:
+        """Where the prompts of ``reqs`` come from, for the report: the trace's own text, the
+        prompts file, random ids, or a mix (text cut or extended)."""
+        with_text = sum(1 for r in reqs if r.prompt_text)
+        if with_text == 0:
+            return self.source
+        if with_text == len(reqs):
+            return "the trace's text"
+        return f"the trace's text ({with_text} of {len(reqs)}), else {self.source}"
+
     def _next_text(self) -> str:
         line = self.lines[self.next_line % len(self.lines)]
         self.next_line += 1

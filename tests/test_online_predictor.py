@@ -6,6 +6,7 @@ show it all. Backends are fitted on a small synthetic label set into a temporary
 import asyncio
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,48 @@ def test_failing_or_slow_predictor_falls_back(fault, mode, bundle, pool, data):
     assert snap["scored"] == 0 and snap["accuracy"] is None
     if fault == "raise":
         assert "predictor crashed" in snap["last_error"]
+
+
+class Slow(LengthPredictor):
+    """A real backend that takes ``seconds`` a call and counts the requests it was asked for."""
+
+    name = "slow"
+
+    def __init__(self, inner: LengthPredictor, seconds: float):
+        super().__init__(inner.granularity, inner.buckets.max_length)
+        self.inner, self.seconds, self.asked = inner, seconds, 0
+        self.mode = "parallel"
+
+    def predict(self, requests):
+        self.asked += len(requests)
+        time.sleep(self.seconds)
+        return self.inner.predict(requests)
+
+
+@pytest.mark.slow
+def test_backlog_skips_predictions_nobody_waits_for(bundle, pool, data):
+    """Four requests in four batches behind a 0.6 s predictor with a 0.1 s timeout: the first is
+    being computed when the others time out, so the thread skips them instead of queueing 1.8 s
+    of work that every later request would wait behind."""
+    cfg = ClusterConfig(predictor="sklearn", predictor_mode="sequential", predictor_timeout_s=0.1, **data, **DISAGG)
+
+    async def main():
+        async with Cluster(engine(), cfg, bundle=bundle) as cl:
+            slow = cl.predictor.backend = Slow(cl.predictor.backend, 0.6)
+            handles = []
+            for i, text in enumerate(short_prompts(pool, 4)):
+                handles.append(cl.submit(cl.bundle.encode(text, chat=True), SP, request_id=f"r{i}", prompt_text=text))
+                await asyncio.sleep(0.01)  # its own loop turn: its own batch
+            for h in handles:
+                async for _ in cl.stream(h):
+                    pass
+            await asyncio.sleep(0.8)  # let the thread reach the queued batches
+            return [h.request for h in handles], cl.predictor.snapshot(), slow.asked
+
+    reqs, snap, asked = asyncio.run(main())
+    assert all(r.finish_reason == "length" and r.predicted is None for r in reqs)
+    assert snap["fallback_reasons"]["timeout"] == 4 and snap["predictions"] == 0
+    assert asked == 1  # only the batch already running when the others timed out
 
 
 @pytest.mark.slow
