@@ -34,7 +34,7 @@ def load():
     from torch.utils.cpp_extension import load as build
 
     try:
-        return build(name="aserve_native_v6", sources=_SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        return build(name="aserve_native_v7", sources=_SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
                      extra_include_paths=[str(_CSRC)], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler missing, headers missing, ...
         raise RuntimeError(f"cannot build aserve's C++ kernels: {e}") from e

@@ -213,9 +213,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  // The kernels touch no Python object: they let the GIL go while they run, so the other threads of
+  // the process (a second instance, the length predictor, the event loop) keep going meanwhile.
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", no_gil);
   m.def("linear_bf16", &linear_bf16, "bf16 linear for decode-sized batches (CPU, AVX512-BF16)", py::arg("x"),
-        py::arg("w"), py::arg("bias") = py::none());
-  m.def("llama_decode", &llama_decode, "a LLaMA decode-only step through every layer (CPU, bf16)");
+        py::arg("w"), py::arg("bias") = py::none(), no_gil);
+  m.def("llama_decode", &llama_decode, "a LLaMA decode-only step through every layer (CPU, bf16)", no_gil);
   m.def("has_bf16_linear", &has_bf16_linear, "whether this build has the AVX512-BF16 linear");
 }
