@@ -172,11 +172,37 @@ def build_report(trace_summary: dict, runs: Sequence[SystemRun], slo: Optional[d
     for s in systems.values():
         if first and first["perf"] and s["perf"] is not None:
             s["perf_per_dollar_vs_first"] = s["perf"] / first["perf"]
+    add_oracle_gain_kept(systems)
     trace = dict(trace_summary)
     if slo:
         trace["slo"] = {**slo, "meaning": {k: SLO_KEYS[k] for k in slo}}
     trace["perf_per_dollar"] = "output tokens/s divided by resource usage s (sum of instances' busy s), vs the first"
     return {"trace": trace, "systems": systems}
+
+
+GAIN_KEYS = ("normalized_latency", "jct")
+
+
+def add_oracle_gain_kept(systems: dict) -> None:
+    """Where one system runs ``--predictor none`` and one ``--predictor oracle``, each system with a
+    predictor gets ``oracle_gain_kept``: per mean latency in ``GAIN_KEYS``, the share of the
+    oracle's improvement over ``none`` that it keeps, ``(none - it) / (none - oracle)``: 1 is as
+    good as knowing every length, 0 no better than not predicting, below 0 worse. None where the
+    oracle gained nothing to share."""
+    by_predictor = {(s.get("predictor") or {}).get("name"): s for s in systems.values()}
+    base, oracle = by_predictor.get("none"), by_predictor.get("oracle")
+    if base is None or oracle is None:
+        return
+    for s in systems.values():
+        if (s.get("predictor") or {}).get("name") in (None, "none"):
+            continue
+        kept = {}
+        for key in GAIN_KEYS:
+            if not (base[key] and oracle[key] and s[key]):
+                continue
+            gain = base[key]["mean"] - oracle[key]["mean"]
+            kept[key] = (base[key]["mean"] - s[key]["mean"]) / gain if gain > 0 else None
+        s["oracle_gain_kept"] = kept
 
 
 def write_json(report: dict, path) -> Path:
@@ -219,6 +245,13 @@ def _predictions_cell(p: Optional[dict]) -> str:
             (f", p50 {p50 * 1e3:.0f} ms" if p50 is not None else ""))
 
 
+def _gain_cell(s: dict) -> str:
+    kept = s.get("oracle_gain_kept")
+    if kept is None:
+        return "n/a"
+    return " / ".join("n/a" if kept.get(k) is None else f"{kept[k]:.0%}" for k in GAIN_KEYS)
+
+
 def _rows(systems: dict) -> list[list[str]]:
     names = list(systems)
     first = systems[names[0]]
@@ -231,6 +264,8 @@ def _rows(systems: dict) -> list[list[str]]:
     rows.append(["stalls (count / s)"] + [f"{x['count']} / {x['seconds']:.2f} s" for x in st])
     if any(s.get("predictor") for s in systems.values()):  # a backend that timed out shows here, not only in JSON
         rows.append(["predictions / fallbacks"] + [_predictions_cell(s.get("predictor")) for s in systems.values()])
+    if any("oracle_gain_kept" in s for s in systems.values()):
+        rows.append(["oracle's gain kept (norm. latency / JCT)"] + [_gain_cell(s) for s in systems.values()])
     for label, key, fmt in _SCALAR_ROWS:
         cells = []
         for i, s in enumerate(systems.values()):

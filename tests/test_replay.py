@@ -127,6 +127,29 @@ def test_summarize_hand_made_records():
     assert report["systems"]["y"]["resource_usage_s"] is None  # no instances (e.g. over HTTP)
 
 
+def test_oracle_gain_kept_is_the_share_of_the_oracles_improvement():
+    from aserve.report import add_oracle_gain_kept
+
+    def system(predictor, norm, jct):
+        return {"predictor": predictor and {"name": predictor}, "normalized_latency": {"mean": norm},
+                "jct": {"mean": jct}}
+
+    systems = {"vllm": system(None, 0.05, 12.0), "none": system("none", 0.04, 10.0),
+               "oracle": system("oracle", 0.03, 8.0), "sk": system("sklearn", 0.035, 10.5),
+               "lm": system("lm", 0.045, 9.0)}
+    add_oracle_gain_kept(systems)
+    assert systems["sk"]["oracle_gain_kept"] == pytest.approx({"normalized_latency": 0.5, "jct": -0.25})
+    assert systems["lm"]["oracle_gain_kept"] == pytest.approx({"normalized_latency": -0.5, "jct": 0.5})
+    assert systems["oracle"]["oracle_gain_kept"] == pytest.approx({"normalized_latency": 1.0, "jct": 1.0})
+    assert "oracle_gain_kept" not in systems["vllm"] and "oracle_gain_kept" not in systems["none"]
+    systems["oracle"]["jct"]["mean"] = 11.0  # the oracle lost on JCT: no gain to share
+    add_oracle_gain_kept(systems)
+    assert systems["sk"]["oracle_gain_kept"]["jct"] is None
+    del systems["oracle"], systems["sk"]["oracle_gain_kept"]
+    add_oracle_gain_kept(systems)  # without an oracle run there is nothing to measure against
+    assert "oracle_gain_kept" not in systems["sk"]
+
+
 def test_drive_respects_arrivals_and_timeout():
     trace = Trace(tuple(TraceRequest(t, 5, 2) for t in (0.0, 0.05, 0.1, 5.0)), "t", "test")
     started = []
