@@ -6,6 +6,9 @@ cached under ~/.cache/torch_extensions), and skipped with a clear reason where n
   weights once (``model/csrc/linear_bf16.cpp``); larger batches stay on torch's matmul;
 - ``llama_decode``: a whole decode-only step of a bf16 LLaMA model in one call
   (``model/csrc/llama_decode.cpp``), so the ~25 small ops per layer are not dispatched one by one.
+
+Each call lets the GIL go while it runs: a cluster's instances, its length predictor and its event
+loop are threads of one process, and must not wait for one another's kernels.
 """
 from __future__ import annotations
 
