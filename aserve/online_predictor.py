@@ -57,10 +57,13 @@ class LatencyHistogram:
         self.sum_s += seconds
         self.recent.append(seconds)
 
-    def quantile(self, q: float) -> Optional[float]:
-        if not self.recent:
+    def quantile(self, q: float, since: int = 0) -> Optional[float]:
+        """The ``q`` quantile of the latencies observed after the first ``since`` (of those
+        ``recent`` still holds); None when there are none."""
+        new = sum(self.counts) - since
+        if new <= 0 or not self.recent:
             return None
-        ordered = sorted(self.recent)
+        ordered = sorted(self.recent if new >= len(self.recent) else list(self.recent)[-new:])
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
     def snapshot(self) -> dict:

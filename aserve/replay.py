@@ -13,12 +13,15 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import asdict, dataclass
-from typing import Awaitable, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Optional, Sequence
 
 from aserve.config import ClusterConfig, EngineConfig
 from aserve.report import InstanceRecord, RequestRecord, SystemRun
 from aserve.traces import Trace, TraceRequest
 from scheduling.request import SamplingParams
+
+if TYPE_CHECKING:
+    from aserve.online_predictor import LatencyHistogram
 
 SAMPLE_PERIOD_S = 0.25  # instance busy/role timeline resolution
 
@@ -195,19 +198,12 @@ def _kv_bytes(cluster) -> int:
     return int(sum(link.stats().get("bytes", 0) for link in cluster.links.values()))
 
 
-def _recent_latencies(hist, count_before: int) -> list[float]:
-    """The prediction latencies recorded after the first ``count_before`` (the warm-up's)."""
-    new = sum(hist.counts) - count_before
-    return list(hist.recent)[-new:] if new > 0 else []
-
-
-def _predictor_delta(before: dict, after: dict, latencies: Sequence[float] = ()) -> dict:
+def _predictor_delta(before: dict, after: dict, latency: LatencyHistogram, latency_count_before: int) -> dict:
     """The predictor's counts over the replay alone (warm-up requests taken out), and the
     latency (submit to answer, on the loop's clock) of the predictions that came back."""
     d = {k: after[k] - before[k] for k in ("predictions", "fallbacks", "hits", "scored")}
-    lat = sorted(latencies)
-    d["latency_p50_s"] = lat[len(lat) // 2] if lat else None
-    d["latency_p99_s"] = lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None
+    d["latency_p50_s"] = latency.quantile(0.5, since=latency_count_before)
+    d["latency_p99_s"] = latency.quantile(0.99, since=latency_count_before)
     d["fallback_reasons"] = {r: n - before["fallback_reasons"].get(r, 0) for r, n in after["fallback_reasons"].items()}
     d["accuracy"] = d["hits"] / d["scored"] if d["scored"] else None
     return {"name": after["name"], "granularity": after["granularity"], "mode": after["mode"], **d}
@@ -250,7 +246,7 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
         return SystemRun(spec.name, tuple(records), instances, _kv_bytes(cluster) - kv0, flips, sampler.max_lag,
                          config={"engine": asdict(spec.engine), "cluster": asdict(spec.cluster)},
                          flip_log=tuple(cluster.flip_log), predictor=_predictor_delta(pred0, cluster.predictor.snapshot(),
-                                                                    _recent_latencies(cluster.predictor.latency, lat0)))
+                                                                    cluster.predictor.latency, lat0))
     finally:
         await cluster.stop()
 

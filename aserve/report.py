@@ -189,12 +189,15 @@ def add_oracle_gain_kept(systems: dict) -> None:
     oracle's improvement over ``none`` that it keeps, ``(none - it) / (none - oracle)``: 1 is as
     good as knowing every length, 0 no better than not predicting, below 0 worse. None where the
     oracle gained nothing to share."""
-    by_predictor = {(s.get("predictor") or {}).get("name"): s for s in systems.values()}
+    def predictor(s: dict) -> Optional[str]:
+        return (s.get("predictor") or {}).get("name")
+
+    by_predictor = {predictor(s): s for s in systems.values()}
     base, oracle = by_predictor.get("none"), by_predictor.get("oracle")
     if base is None or oracle is None:
         return
     for s in systems.values():
-        if (s.get("predictor") or {}).get("name") in (None, "none"):
+        if predictor(s) in (None, "none"):
             continue
         kept = {}
         for key in GAIN_KEYS:

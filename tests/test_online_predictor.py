@@ -197,19 +197,25 @@ def test_cached_artefact_is_loaded_the_second_time(bundle, pool, data, capsys):
 
 
 class Broken(LengthPredictor):
-    """A real backend behind a fault: ``raise`` always, or ``stall`` until released."""
+    """A real backend behind a fault: ``raise`` always, ``stall`` until released, or ``slow``
+    (``seconds`` a call); ``asked`` counts the requests it was asked for."""
 
     name = "broken"
 
-    def __init__(self, inner: LengthPredictor, fault: str):
+    def __init__(self, inner: LengthPredictor, fault: str, seconds: float = 0.0):
         super().__init__(inner.granularity, inner.buckets.max_length)
-        self.inner, self.fault, self.release = inner, fault, threading.Event()
+        self.inner, self.fault, self.seconds, self.release = inner, fault, seconds, threading.Event()
+        self.asked = 0
         self.mode = "parallel"
 
     def predict(self, requests):
+        self.asked += len(requests)
         if self.fault == "raise":
             raise RuntimeError("predictor crashed")
-        self.release.wait(60)
+        if self.fault == "slow":
+            time.sleep(self.seconds)
+        else:
+            self.release.wait(60)
         return self.inner.predict(requests)
 
 
@@ -237,22 +243,6 @@ def test_failing_or_slow_predictor_falls_back(fault, mode, bundle, pool, data):
         assert "predictor crashed" in snap["last_error"]
 
 
-class Slow(LengthPredictor):
-    """A real backend that takes ``seconds`` a call and counts the requests it was asked for."""
-
-    name = "slow"
-
-    def __init__(self, inner: LengthPredictor, seconds: float):
-        super().__init__(inner.granularity, inner.buckets.max_length)
-        self.inner, self.seconds, self.asked = inner, seconds, 0
-        self.mode = "parallel"
-
-    def predict(self, requests):
-        self.asked += len(requests)
-        time.sleep(self.seconds)
-        return self.inner.predict(requests)
-
-
 @pytest.mark.slow
 def test_backlog_skips_predictions_nobody_waits_for(bundle, pool, data):
     """Four requests in four batches behind a 0.6 s predictor with a 0.1 s timeout: the first is
@@ -262,7 +252,7 @@ def test_backlog_skips_predictions_nobody_waits_for(bundle, pool, data):
 
     async def main():
         async with Cluster(engine(), cfg, bundle=bundle) as cl:
-            slow = cl.predictor.backend = Slow(cl.predictor.backend, 0.6)
+            slow = cl.predictor.backend = Broken(cl.predictor.backend, "slow", 0.6)
             handles = []
             for i, text in enumerate(short_prompts(pool, 4)):
                 handles.append(cl.submit(cl.bundle.encode(text, chat=True), SP, request_id=f"r{i}", prompt_text=text))
