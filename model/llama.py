@@ -47,6 +47,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x):
+        if self.gate_up_proj.bias is None:  # one packed product with SwiGLU in its epilogue (bf16 CPU)
+            return self.down_proj(native.silu_mul(x, self.gate_up_proj.weight))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -91,15 +93,17 @@ class LlamaForCausalLM(nn.Module):
 
     def _native_step(self, x: torch.Tensor, meta: AttentionMeta) -> bool:
         """Whether this step can run as one ``native.llama_decode`` call: decode tokens only
-        (no prompt chunk, no pad), the native backend, bf16 on a CPU, no biases, no autograd."""
+        (no prompt chunk, no pad), the native backend, bf16 on a CPU with the packed products,
+        no biases, no autograd."""
         return (native.NATIVE_STEP and not meta.prefills and meta.num_decode_tokens == x.shape[0]
                 and x.dtype is torch.bfloat16 and x.device.type == "cpu" and self.layers[0].attn.backend == "native"
                 and not (self.args.attention_bias or self.args.mlp_bias) and not torch.is_grad_enabled()
-                and self.norm.weight.dtype is torch.bfloat16)
+                and self.norm.weight.dtype is torch.bfloat16 and native.packable(x, self.embed.weight)
+                and self.args.intermediate_size % 32 == 0)
 
     def _step_weights(self) -> list:
         """The six weights of each layer in ``llama_decode``'s order (the Parameter objects, so
-        a later in-place load or ``.to()`` is seen)."""
+        a later in-place load or ``.to()`` is seen: ``native.packed`` repacks what changed)."""
         if getattr(self, "_step_weight_list", None) is None:
             self._step_weight_list = [w for b in self.layers for w in (
                 b.attn_norm.weight, b.attn.qkv_proj.weight, b.attn.o_proj.weight, b.mlp_norm.weight,

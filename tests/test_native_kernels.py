@@ -1,5 +1,6 @@
-"""Our C++ CPU kernels against plain torch: paged decode attention (vector and scalar paths,
-fp32 and bf16, ragged contexts) and the bf16 linear for decode-sized batches."""
+"""Our C++ CPU kernels against plain torch: paged decode attention (the bf16 fast path, the
+general vector and scalar paths, fp32 and bf16, ragged contexts, contexts split over threads)
+and the packed bf16 products (plain, with bias, with a residual add, with SwiGLU)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,9 @@ def dense_decode(q, k_cache, v_cache, tables, lens, scale):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (6, 2, 24), (8, 2, 128)])
+# (9, 3, 64) is the default model's layout (bf16: the fast path); (4, 4, 16) and (6, 2, 24) take the
+# general paths; (8, 2, 128) and (16, 2, 64) the fast path's other instantiations
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (6, 2, 24), (8, 2, 128), (16, 2, 64)])
 def test_paged_decode_matches_dense(dtype, tol, heads, kv_heads, head_dim):
     g = torch.Generator().manual_seed(heads * head_dim)
     bs, max_blocks = 16, 6
@@ -37,6 +40,22 @@ def test_paged_decode_matches_dense(dtype, tol, heads, kv_heads, head_dim):
     got = native.paged_decode(q, k_cache, v_cache, tables, lens, scale).float()
     want = dense_decode(q, k_cache, v_cache, tables, lens, scale)
     assert (got - want).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("ctx", [1, 63, 64, 200, 1000])
+@pytest.mark.parametrize("block_size", [16, 8, 32])
+def test_paged_decode_splits_long_contexts_of_small_batches(ctx, block_size):
+    """One request: its context is cut into chunks for the threads and merged back (bf16 fast
+    path); block sizes under and over the kernel's 16-token tiles."""
+    g = torch.Generator().manual_seed(ctx + block_size)
+    nb = -(-ctx // block_size)
+    k_cache = torch.randn(nb + 3, block_size, 3, 64, generator=g).bfloat16()
+    v_cache = torch.randn(nb + 3, block_size, 3, 64, generator=g).bfloat16()
+    tables = torch.randperm(nb + 3, generator=g)[:nb].view(1, nb)
+    q = (torch.randn(1, 9, 64, generator=g) * 2).bfloat16()  # sharper softmax: chunks' maxima differ
+    got = native.paged_decode(q, k_cache, v_cache, tables, torch.tensor([ctx]), 0.125).float()
+    want = dense_decode(q, k_cache, v_cache, tables, torch.tensor([ctx]), 0.125)
+    assert (got - want).abs().max().item() <= 2e-2
 
 
 def test_paged_decode_softmax_survives_large_scores():
@@ -53,44 +72,82 @@ def test_paged_decode_softmax_survives_large_scores():
 needs_bf16 = pytest.mark.skipif(not native.bf16_linear_available(), reason="CPU has no AVX512-BF16")
 
 
+def _close_to_float(got: torch.Tensor, want: torch.Tensor, k: int) -> bool:
+    """One bf16 rounding of an fp32 sum (relative 2^-8) plus summation-order noise."""
+    return bool(((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-4 * k ** 0.5).all())
+
+
 @needs_bf16
-@pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("n,k,bias", [(13, 64, False), (960, 576, False), (96, 32, True), (1000, 1536, True)])
-def test_linear_bf16_matches_float_reference(rows, n, k, bias):
+@pytest.mark.parametrize("rows", [1, 3, 6, 7, 13, 64, 130])  # blocks of six rows and their remainders
+@pytest.mark.parametrize("n,k,bias", [(13, 64, False), (960, 576, False), (96, 32, True), (1000, 1536, True),
+                                      (70, 2, False)])
+def test_linear_packed_matches_float_reference(rows, n, k, bias):
     g = torch.Generator().manual_seed(n + k + rows)
     x = torch.randn(rows, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
-    got = native.load().linear_bf16(x, w, b)
+    got = native.linear(x, w, b)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    want = F.linear(x.float(), w.float(), None if b is None else b.float())
-    # one bf16 rounding of the fp32 sum (relative 2^-8) plus summation-order noise
-    assert ((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-4 * k ** 0.5).all()
+    assert _close_to_float(got, F.linear(x.float(), w.float(), None if b is None else b.float()), k)
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_packed_epilogues_match_torch_ops(rows):
+    """SwiGLU in the product's epilogue and the residual add give what torch's bf16 ops give
+    (each op rounded to bf16), up to the products' own summation order."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    gate_up = (torch.randn(2 * 1536, 576, generator=g) / 24).bfloat16()
+    gate, up = F.linear(x.float(), gate_up.float()).bfloat16().chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = native.silu_mul(x, gate_up)
+    assert got.shape == want.shape and (got.float() - want.float()).abs().max().item() <= 0.02 * want.abs().max().item()
+    mod = native.load()
+    h = torch.randn(rows, 1536, generator=g).bfloat16()
+    down = (torch.randn(1536, 576, generator=g) / 24).bfloat16()
+    want = h + F.linear(x.float(), down.float()).bfloat16()
+    mod.linear_packed_add_(h, x, native.packed(down))
+    assert (h.float() - want.float()).abs().max().item() <= 0.02 * want.abs().max().item()
+
+
+@needs_bf16
+def test_packed_copy_follows_the_weight():
+    """An in-place change of a weight after its first product is seen: the packed copy is remade."""
+    w = torch.randn(64, 32).bfloat16()
+    x = torch.randn(2, 32).bfloat16()
+    first = native.linear(x, w)
+    w.mul_(2)
+    assert torch.allclose(native.linear(x, w).float(), 2 * first.float(), rtol=2 ** -7)
 
 
 @needs_bf16
 def test_linear_dispatch_keeps_torch_where_ours_does_not_apply():
-    w = torch.randn(40, 64).bfloat16()
-    big = torch.randn(native.LINEAR_MAX_ROWS + 1, 64).bfloat16()
-    assert torch.equal(native.linear(big, w), F.linear(big, w))  # too many rows: torch's matmul
-    odd, w48 = torch.randn(2, 48).bfloat16(), torch.randn(40, 48).bfloat16()
-    assert torch.equal(native.linear(odd, w48), F.linear(odd, w48))  # width not a multiple of 32
-    small = torch.randn(2, 64).bfloat16()
-    assert torch.equal(native.linear(small, w), native.load().linear_bf16(small, w))  # ours
+    w = torch.randn(40, 63).bfloat16()
+    odd = torch.randn(2, 63).bfloat16()
+    assert torch.equal(native.linear(odd, w), F.linear(odd, w))  # odd width: no k-pairs
+    w32, x32 = torch.randn(40, 64), torch.randn(2, 64)
+    assert torch.equal(native.linear(x32, w32), F.linear(x32, w32))  # fp32
+    with torch.enable_grad():
+        wg = torch.randn(40, 64, dtype=torch.bfloat16, requires_grad=True)
+        assert native.linear(torch.randn(2, 64).bfloat16(), wg).requires_grad  # autograd: torch's
 
 
-def test_linear_bf16_rejects_bad_shapes():
+def test_packed_products_reject_bad_shapes():
     if not native.bf16_linear_available():
         pytest.skip("CPU has no AVX512-BF16")
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        native.load().linear_bf16(torch.randn(1, 48).bfloat16(), torch.randn(4, 48).bfloat16())
+    mod = native.load()
+    with pytest.raises(RuntimeError, match="even"):
+        mod.pack_bf16(torch.randn(4, 47).bfloat16())
+    p = native.packed(torch.randn(4, 32).bfloat16())
+    with pytest.raises(RuntimeError, match="columns"):
+        mod.linear_packed(torch.randn(1, 48).bfloat16(), p, 4)
     with pytest.raises(RuntimeError, match="bias"):
-        native.load().linear_bf16(torch.randn(1, 32).bfloat16(), torch.randn(4, 32).bfloat16(),
-                                  torch.randn(3).bfloat16())
+        mod.linear_packed(torch.randn(1, 32).bfloat16(), p, 4, torch.randn(3).bfloat16())
 
 
 @needs_bf16
-@pytest.mark.parametrize("batch", [1, 5, 12])  # 12 rows: torch's matmul inside the step, not ours
+@pytest.mark.parametrize("batch", [1, 5, 12])  # 12 rows: two blocks of six in every product
 def test_llama_decode_step_matches_op_by_op(monkeypatch, batch):
     """One ``native.llama_decode`` call for a decode-only step gives the op-by-op bf16 path's
     hidden states and K/V (within bf16 rounding), and is as close to an fp32 run as that path."""

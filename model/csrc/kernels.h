@@ -1,19 +1,59 @@
-// Declarations shared by aserve's CPU kernels; the Python module is defined in paged_attention.cpp.
+// Declarations and SIMD helpers shared by aserve's CPU kernels; the Python module is defined in
+// paged_attention.cpp.
 #pragma once
 #include <torch/extension.h>
 
 #include <optional>
 #include <vector>
 
-// y = x @ w.T (+ bias) for a few rows of bf16 x [M, K] against bf16 w [N, K], reading w once.
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias);
-// True where this build has the AVX512-BF16 dot products linear_bf16 needs.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// How pack_bf16 orders a weight's rows: as they are, or a fused gate_up weight [2 I, K] whose
+// groups each take 32 gate rows and the 32 matching up rows (for silu_mul_packed).
+constexpr int64_t kOrderPlain = 0, kOrderGateUp = 1;
+
+// True where this build has the AVX512-BF16 dot products the packed products need.
 bool has_bf16_linear();
+// w [N, K] bf16 -> the packed layout of gemm_bf16.cpp, [ceil(N / 64), K / 2, 64, 2].
+torch::Tensor pack_bf16(torch::Tensor w, int64_t order);
+// x [M, K] bf16 @ w.T (+ bias) with w packed plain; n = w's row count. Returns [M, n] bf16.
+torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, std::optional<torch::Tensor> bias);
+// y [M, N] += bf16(x @ w.T), w packed plain: a linear and a residual add in one pass.
+void linear_packed_add_(torch::Tensor y, torch::Tensor x, torch::Tensor packed);
+// silu(x @ gate.T) * (x @ up.T) with the gate_up weight packed kOrderGateUp: [M, I] bf16.
+torch::Tensor silu_mul_packed(torch::Tensor x, torch::Tensor packed);
 // Decode attention reading K/V in place from the block pool: q [B, H, D] -> [B, H, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                            torch::Tensor ctx_lens, double scale);
+// The bf16 fast path of paged_decode (paged_decode_bf16.cpp): fills out and returns true, or
+// returns false where it does not apply (dtype, head size, heads per KV head, no AVX512-BF16).
+bool paged_decode_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& tables, const torch::Tensor& ctx_lens, double scale, torch::Tensor& out);
 // A whole decode-only step of a LLaMA model in bf16, embeddings in, final-normed hidden out
 // (llama_decode.cpp has the argument layout).
 torch::Tensor llama_decode(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> layers,
                            torch::Tensor final_norm, torch::Tensor kv, torch::Tensor slots, torch::Tensor tables,
-                           torch::Tensor ctx_lens, int64_t num_heads, double eps, double scale, int64_t native_rows);
+                           torch::Tensor ctx_lens, int64_t num_heads, double eps, double scale);
+
+#if defined(__AVX512F__)
+// e^x, 16 lanes: 2^(x log2 e) split into an integer power (applied exactly by scalef) and a
+// fraction in [-0.5, 0.5] whose 2^f is a degree-7 Taylor polynomial (relative error below
+// 1e-8). Below -104 the result is 0 or a denormal; large x overflows to inf, as expf does.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.540353039338161e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355814642844e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif

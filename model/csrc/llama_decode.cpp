@@ -1,19 +1,26 @@
 // One decode-only step of a LLaMA-family model through all its layers in a single call.
 //
-// At batch 1 a step of the 135M default model reads ~270 MB of weights (~7 ms on this machine)
-// but used to spend about as long again in the ~25 small torch ops per layer that Python
-// dispatched one by one (norms, RoPE, the KV write, residual adds, SiLU*up, splits and views).
-// Here the elementwise work runs as plain loops between the big pieces, which are the same
-// kernels the op-by-op path uses: our weight-streaming linear (torch's matmul above its row
-// limit, as model.native.linear decides) and our paged decode attention.
+// At batch 1 a step of the 135M default model reads ~270 MB of weights, and the ~25 small torch
+// ops per layer that Python dispatched one by one (norms, RoPE, the KV write, residual adds,
+// SiLU*up, splits and views) used to cost about as much again. Here each layer is four packed
+// bf16 products (gemm_bf16.cpp) and one paged attention call, with the rest as short loops:
+//
+//   normed = rms_norm(h)                      vectorised, fp32 sums
+//   qkv    = normed @ Wqkv                    packed product
+//   q, K, V <- RoPE(qkv); K/V into the pool   fp32 tables, rounded once
+//   h     += attention(q) @ Wo                product and residual add in one pass
+//   normed = rms_norm(h)
+//   act    = silu(normed @ Wg) * (normed @ Wu)   one product, SwiGLU in its epilogue
+//   h     += act @ Wdown                      product and residual add in one pass
 //
 // Numerics follow the op-by-op bf16 path: every op's result is rounded to bf16 where torch
-// rounds it, except RoPE, which is computed in fp32 from fp32 tables and rounded once.
+// rounds it (the products' outputs before the residual add, silu before the multiply), except
+// RoPE, which is computed in fp32 from fp32 tables and rounded once.
 //
 //   x          [T, E] bf16: the step's embedded tokens, one per request
 //   cos, sin   [T, D] fp32: RoPE tables at each token's position (sin signed: cat(-sin, sin))
-//   layers     6 per layer: attn_norm [E], qkv [(H + 2 H_kv) D, E], o [E, H D],
-//              mlp_norm [E], gate_up [2 I, E], down [E, I] (all bf16, no biases)
+//   layers     6 per layer: attn_norm [E], qkv packed ((H + 2 H_kv) D outputs), o packed (E),
+//              mlp_norm [E], gate_up packed in gate-up order (I outputs), down packed (E)
 //   final_norm [E]
 //   kv         [L, 2, num_blocks, BS, H_kv, D] bf16: the pool; this step's K/V is written at
 //   slots      [T] int64 flat slot of each token
@@ -28,33 +35,57 @@
 namespace {
 using bf16 = c10::BFloat16;
 
-// our weight-streaming linear up to ``native_rows`` rows (model.native passes its own limit, 0 when
-// ASERVE_NATIVE_LINEAR=0), torch's matmul above: the choice model.native.linear makes
-torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, int64_t native_rows) {
-  if (x.size(0) <= native_rows && has_bf16_linear()) return linear_bf16(x, w, std::nullopt);
-  return at::linear(x, w);
+#if defined(__AVX512F__)
+inline __m512 widen16(const bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline void narrow16(bf16* p, __m512 v) {  // round to nearest even, as c10::BFloat16(float)
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+#endif
 
 void rms_norm(const bf16* x, const bf16* w, bf16* y, int64_t T, int64_t E, float eps) {
   for (int64_t t = 0; t < T; ++t) {
     const bf16* xr = x + t * E;
-    float ss = 0.f;
-    for (int64_t i = 0; i < E; ++i) {
-      const float v = static_cast<float>(xr[i]);
-      ss += v * v;
+    bf16* yr = y + t * E;
+#if defined(__AVX512F__)
+    if (E % 16 == 0) {
+      __m512 ss = _mm512_setzero_ps();
+      for (int64_t i = 0; i < E; i += 16) {
+        const __m512 v = widen16(xr + i);
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(E) + eps));
+      for (int64_t i = 0; i < E; i += 16)
+        narrow16(yr + i, _mm512_mul_ps(_mm512_mul_ps(widen16(xr + i), inv), widen16(w + i)));
+      continue;
     }
+#endif
+    float ss = 0.f;
+    for (int64_t i = 0; i < E; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(E) + eps);
-    for (int64_t i = 0; i < E; ++i) y[t * E + i] = bf16(static_cast<float>(xr[i]) * inv * static_cast<float>(w[i]));
+    for (int64_t i = 0; i < E; ++i) yr[i] = bf16(static_cast<float>(xr[i]) * inv * static_cast<float>(w[i]));
   }
-}
-
-void add_into(bf16* x, const bf16* d, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] = bf16(static_cast<float>(x[i]) + static_cast<float>(d[i]));
 }
 
 // rotate-half RoPE of one head: out = x * cos + cat(x2, x1) * signed_sin
 void rope_head(const bf16* x, const float* cos, const float* sin, bf16* out, int64_t D) {
   const int64_t half = D / 2;
+#if defined(__AVX512F__)
+  if (half % 16 == 0) {
+    for (int64_t i = 0; i < half; i += 16) {
+      const __m512 a = widen16(x + i), b = widen16(x + half + i);
+      narrow16(out + i, _mm512_fmadd_ps(b, _mm512_loadu_ps(sin + i), _mm512_mul_ps(a, _mm512_loadu_ps(cos + i))));
+      narrow16(out + half + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(sin + half + i),
+                                               _mm512_mul_ps(b, _mm512_loadu_ps(cos + half + i))));
+    }
+    return;
+  }
+#endif
   for (int64_t i = 0; i < half; ++i) {
     const float a = static_cast<float>(x[i]), b = static_cast<float>(x[i + half]);
     out[i] = bf16(a * cos[i] + b * sin[i]);
@@ -65,8 +96,7 @@ void rope_head(const bf16* x, const float* cos, const float* sin, bf16* out, int
 
 torch::Tensor llama_decode(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> layers,
                            torch::Tensor final_norm, torch::Tensor kv, torch::Tensor slots, torch::Tensor tables,
-                           torch::Tensor ctx_lens, int64_t num_heads, double eps, double scale,
-                           int64_t native_rows) {
+                           torch::Tensor ctx_lens, int64_t num_heads, double eps, double scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "llama_decode: x [T, E] bf16 CPU");
   TORCH_CHECK(kv.dim() == 6 && kv.scalar_type() == at::kBFloat16 && kv.is_contiguous(), "llama_decode: kv pool");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "llama_decode: fp32 RoPE tables");
@@ -81,6 +111,8 @@ torch::Tensor llama_decode(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
   const float* sp = sinc.data_ptr<float>();
   const int64_t* slot = slotc.data_ptr<int64_t>();
   const int64_t qkv_width = (H + 2 * H_kv) * D;
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < kv.size(2) * BS, "llama_decode: slot out of the pool");
 
   auto h = x.contiguous().clone();  // the residual stream
   auto normed = torch::empty_like(h);
@@ -88,25 +120,20 @@ torch::Tensor llama_decode(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
   bf16* hp = h.data_ptr<bf16>();
   bf16* np = normed.data_ptr<bf16>();
   bf16* qp = q.data_ptr<bf16>();
-  const int64_t I = layers[4].size(0) / 2;  // SwiGLU width, the same in every layer
-  auto act = torch::empty({T, I}, h.options());
-  bf16* ap = act.data_ptr<bf16>();
   const float fe = static_cast<float>(eps);
 
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = layers.data() + 6 * l;
-    TORCH_CHECK(w[1].size(0) == qkv_width && w[1].size(1) == E, "llama_decode: qkv weight of layer ", l);
     auto k_cache = kv[l][0], v_cache = kv[l][1];  // [num_blocks, BS, H_kv, D]
     bf16* kc = k_cache.data_ptr<bf16>();
     bf16* vc = v_cache.data_ptr<bf16>();
 
     rms_norm(hp, w[0].data_ptr<bf16>(), np, T, E, fe);
-    const auto qkv = project(normed, w[1], native_rows);
+    const auto qkv = linear_packed(normed, w[1], qkv_width, std::nullopt);
     const bf16* qkvp = qkv.data_ptr<bf16>();
     for (int64_t t = 0; t < T; ++t) {
       const bf16* row = qkvp + t * qkv_width;
       const float *ct = cp + t * D, *st = sp + t * D;
-      TORCH_CHECK(slot[t] >= 0 && slot[t] < k_cache.size(0) * BS, "llama_decode: slot out of the pool");
       for (int64_t j = 0; j < H; ++j) rope_head(row + j * D, ct, st, qp + (t * H + j) * D, D);
       for (int64_t j = 0; j < H_kv; ++j) {
         rope_head(row + (H + j) * D, ct, st, kc + (slot[t] * H_kv + j) * D, D);
@@ -114,21 +141,10 @@ torch::Tensor llama_decode(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
       }
     }
     const auto attn = paged_decode(q, k_cache, v_cache, tables, ctx_lens, scale);
-    const auto o = project(attn.view({T, H * D}), w[2], native_rows);
-    add_into(hp, o.data_ptr<bf16>(), T * E);
+    linear_packed_add_(h, attn.view({T, H * D}), w[2]);
 
     rms_norm(hp, w[3].data_ptr<bf16>(), np, T, E, fe);
-    const auto gu = project(normed, w[4], native_rows);
-    TORCH_CHECK(gu.size(1) == 2 * I, "llama_decode: gate_up weight of layer ", l);
-    const bf16* gup = gu.data_ptr<bf16>();
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t i = 0; i < I; ++i) {
-        const float g = static_cast<float>(gup[t * 2 * I + i]);
-        const float s = static_cast<float>(bf16(g / (1.f + std::exp(-g))));
-        ap[t * I + i] = bf16(s * static_cast<float>(gup[t * 2 * I + I + i]));
-      }
-    const auto down = project(act, w[5], native_rows);
-    add_into(hp, down.data_ptr<bf16>(), T * E);
+    linear_packed_add_(h, silu_mul_packed(normed, w[4]), w[5]);
   }
   auto out = torch::empty_like(h);
   rms_norm(hp, final_norm.data_ptr<bf16>(), out.data_ptr<bf16>(), T, E, fe);

@@ -7,12 +7,13 @@
 //   tables   [B, max_blocks] int64     block ids of each request
 //   ctx_lens [B] int64                 tokens each request has in the cache (this one included)
 //
-// Work is split over (request, kv head) pairs; each pair serves its G = H / H_kv query heads,
-// so every K/V row is read once for all heads of its group. With AVX-512 (and a head size that
-// is a multiple of 16) rows are widened to fp32 in registers and the softmax is exponentiated
-// 16 lanes at a time; elsewhere a scalar loop does the same sums.
+// bf16 caches with a common head layout take the fast path of paged_decode_bf16.cpp. The
+// general paths here split the work over (request, kv head) pairs; each pair serves its
+// G = H / H_kv query heads, so every K/V row is read once for all heads of its group. With
+// AVX-512 (and a head size that is a multiple of 16) rows are widened to fp32 in registers and
+// the softmax is exponentiated 16 lanes at a time; elsewhere a scalar loop does the same sums.
 //
-// This file also defines the Python module, which holds linear_bf16 from linear_bf16.cpp.
+// This file also defines the Python module, which holds the kernels of the other files.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -89,25 +90,6 @@ inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp
 }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// e^x for x <= 0 (softmax after the max is taken out): 2^(x log2 e) split into an integer
-// power (applied exactly by scalef) and a fraction in [-0.5, 0.5] whose 2^f is a degree-7
-// Taylor polynomial (relative error below 1e-8).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.540353039338161e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355814642844e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // Vector path: D a multiple of 16. K and V rows are widened to fp32 in registers, once per
@@ -204,6 +186,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), BS = k_cache.size(1), H_kv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % H_kv == 0, "head dims do not match");
   auto out = torch::empty_like(q);
+  if (paged_decode_bf16(q, k_cache, v_cache, t, c, scale, out)) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             t.data_ptr<int64_t>(), c.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H, H_kv, D,
@@ -217,8 +200,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the process (a second instance, the length predictor, the event loop) keep going meanwhile.
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", no_gil);
-  m.def("linear_bf16", &linear_bf16, "bf16 linear for decode-sized batches (CPU, AVX512-BF16)", py::arg("x"),
-        py::arg("w"), py::arg("bias") = py::none(), no_gil);
+  m.def("pack_bf16", &pack_bf16, "pack a bf16 weight [N, K] for the products below", py::arg("w"),
+        py::arg("order") = kOrderPlain, no_gil);
+  m.def("linear_packed", &linear_packed, "x @ w.T (+ bias) with w packed (CPU, AVX512-BF16)", py::arg("x"),
+        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), no_gil);
+  m.def("linear_packed_add_", &linear_packed_add_, "y += x @ w.T with w packed", no_gil);
+  m.def("silu_mul_packed", &silu_mul_packed, "silu(x @ gate.T) * (x @ up.T) with gate_up packed in gate-up order",
+        no_gil);
   m.def("llama_decode", &llama_decode, "a LLaMA decode-only step through every layer (CPU, bf16)", no_gil);
-  m.def("has_bf16_linear", &has_bf16_linear, "whether this build has the AVX512-BF16 linear");
+  m.def("has_bf16_linear", &has_bf16_linear, "whether this build has the AVX512-BF16 products");
+  m.attr("ORDER_PLAIN") = kOrderPlain;
+  m.attr("ORDER_GATE_UP") = kOrderGateUp;
 }

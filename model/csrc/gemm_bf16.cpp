@@ -1,0 +1,247 @@
+// bf16 matrix products on CPUs with AVX512-BF16, over weights packed once at load time.
+//
+// vdpbf16ps multiplies 32 bf16 pairs and adds each pair's two products into one of 16 fp32
+// lanes. With the weight stored as [N, K] (torch's layout), a lane holds part of ONE output's
+// sum and every output ends in a 16-lane horizontal reduction. Packed so that a lane is an
+// OUTPUT instead, the reduction disappears: 64 output rows form a group, and at each pair of
+// input columns (k, k+1) the group's 64 rows store their two values side by side:
+//
+//   packed [G, K/2, 64, 2]     G = ceil(N / 64) groups, rows past N are zero
+//
+//            k-pair 0                      k-pair 1
+//   group 0 | r0k0 r0k1 r1k0 r1k1 .. r63k1 | r0k2 r0k3 .. r63k3 | ...   (256 bytes a k-pair)
+//   group 1 | ...
+//
+// One zmm load is 16 rows x one k-pair; a 32-bit broadcast of x's (k, k+1) pair against it
+// adds 16 outputs' worth of products. A group is read front to back exactly once per block of
+// up to six x rows, so at decode sizes the weights stream sequentially from memory (the
+// hardware prefetcher alone keeps up: software prefetching measured slower), and at prefill
+// sizes the group (74-196 KB) is re-read from L2 by each block of rows.
+//
+// Measured on the 2-core AMD EPYC (Zen 4) against the old row-major kernel and torch's matmul,
+// the default model's 120 layer weights: 1 row 5.6 ms (38 GB/s; row-major 12.9, torch 29),
+// 32 rows 21 ms (torch 42-49), 512 rows 274 ms = 396 GFLOP/s (torch 372 ms): faster at
+// every size, so every bf16 CPU linear goes through here.
+//
+// Epilogues (what happens to a block's fp32 sums): store as bf16 (+ fp32 bias), add into a bf16
+// residual stream (rounded to bf16 first, as a separate linear then add would), or SwiGLU's
+// silu(gate) * up for a gate_up weight packed with ``kOrderGateUp`` (each group's first 32 rows
+// are gate rows, its last 32 the matching up rows).
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define ASERVE_BF16_DP 1
+#endif
+
+namespace {
+using bf16 = c10::BFloat16;
+constexpr int64_t kTile = 16;              // output rows in one zmm of sums
+constexpr int64_t kTiles = 4;              // zmm of sums per x row in a block
+constexpr int64_t kGroup = kTile * kTiles; // output rows a group
+constexpr int kMaxRows = 6;                // x rows a block: 6 x 4 sums + 4 weights fit in 32 registers
+
+// packed row r of group g holds source row src_row(g, r), or -1 (zero padding)
+int64_t src_row(int64_t order, int64_t N, int64_t g, int64_t r) {
+  if (order == kOrderGateUp) {  // N = 2 I: gate rows [0, I), up rows [I, 2I)
+    const int64_t half = N / 2, j = g * (kGroup / 2) + r % (kGroup / 2);
+    return j < half ? (r < kGroup / 2 ? j : half + j) : -1;
+  }
+  const int64_t n = g * kGroup + r;
+  return n < N ? n : -1;
+}
+
+#ifdef ASERVE_BF16_DP
+// The fp32 sums of one block: x rows m0 .. m0 + MB, outputs of group g (64, or 32 for SwiGLU).
+template <int MB>
+using Sums = __m512[MB][kTiles];
+
+inline void store_bf16(bf16* dst, __m512 v, int64_t valid) {  // valid of the 16 values
+  const __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
+  if (valid >= kTile) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), b);
+  else if (valid > 0) _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((1u << valid) - 1u), b);
+}
+
+inline __m512 widen(const bf16* src, int64_t valid) {  // 16 bf16 -> fp32 (bf16 is an fp32's top half)
+  const __m256i raw = valid >= kTile ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
+                                     : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << valid) - 1u), src);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline __m512 round_bf16(__m512 v) {  // what storing as bf16 and reading back gives
+  const __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+template <int MB>
+void block_sums(const uint32_t* x, int64_t ldx, const __m512bh* w, int64_t K2, Sums<MB>& acc) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int t = 0; t < kTiles; ++t) acc[m][t] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    const __m512bh* wk = w + k * kTiles;
+    const __m512bh w0 = (__m512bh)_mm512_load_si512(wk), w1 = (__m512bh)_mm512_load_si512(wk + 1),
+                   w2 = (__m512bh)_mm512_load_si512(wk + 2), w3 = (__m512bh)_mm512_load_si512(wk + 3);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + k]));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xb);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xb);
+      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], w2, xb);
+      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, xb);
+    }
+  }
+}
+
+struct Job {
+  const bf16* x;        // [M, K]
+  const bf16* w;        // packed
+  int64_t M, K, N;      // N: outputs of the product (I for SwiGLU)
+  int epilogue;         // kStore, kAddInto, kSiluMul
+  const float* bias;    // kStore only, may be null
+  bf16* y;              // [M, N]
+};
+constexpr int kStore = 0, kAddInto = 1, kSiluMul = 2;
+
+template <int MB>
+void finish(const Job& j, int64_t m0, int64_t g, Sums<MB>& acc) {
+  if (j.epilogue == kSiluMul) {  // tiles 0, 1: gate of outputs n0 .. n0 + 32; tiles 2, 3: their up
+    const int64_t n0 = g * (kGroup / 2);
+    for (int m = 0; m < MB; ++m)
+      for (int t = 0; t < 2; ++t) {
+        const __m512 gate = round_bf16(acc[m][t]), up = round_bf16(acc[m][t + 2]);
+        // silu rounded to bf16, then the product rounded: torch's F.silu(gate) * up in bf16
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+        const __m512 s = round_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        store_bf16(j.y + (m0 + m) * j.N + n0 + t * kTile, _mm512_mul_ps(s, up), j.N - n0 - t * kTile);
+      }
+    return;
+  }
+  const int64_t n0 = g * kGroup;
+  for (int m = 0; m < MB; ++m)
+    for (int t = 0; t < kTiles; ++t) {
+      const int64_t n = n0 + t * kTile, valid = j.N - n;
+      if (valid <= 0) break;
+      bf16* dst = j.y + (m0 + m) * j.N + n;
+      __m512 v = acc[m][t];
+      if (j.epilogue == kAddInto) v = _mm512_add_ps(widen(dst, valid), round_bf16(v));
+      else if (j.bias) v = _mm512_add_ps(v, valid >= kTile ? _mm512_loadu_ps(j.bias + n)
+                                                            : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << valid) - 1u), j.bias + n));
+      store_bf16(dst, v, valid);
+    }
+}
+
+template <int MB>
+void run_block(const Job& j, int64_t m0, int64_t g) {
+  const int64_t K2 = j.K / 2;
+  Sums<MB> acc;
+  block_sums<MB>(reinterpret_cast<const uint32_t*>(j.x) + m0 * K2, K2,
+                 reinterpret_cast<const __m512bh*>(j.w) + g * K2 * kTiles, K2, acc);
+  finish<MB>(j, m0, g, acc);
+}
+
+void run(const Job& j) {
+  const int64_t groups = j.epilogue == kSiluMul ? (j.N + kGroup / 2 - 1) / (kGroup / 2) : (j.N + kGroup - 1) / kGroup;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      int64_t m = 0;
+      for (; m + kMaxRows <= j.M; m += kMaxRows) run_block<kMaxRows>(j, m, g);
+      switch (j.M - m) {
+        case 1: run_block<1>(j, m, g); break;
+        case 2: run_block<2>(j, m, g); break;
+        case 3: run_block<3>(j, m, g); break;
+        case 4: run_block<4>(j, m, g); break;
+        case 5: run_block<5>(j, m, g); break;
+        default: break;
+      }
+    }
+  });
+}
+#endif
+
+void check_product(const torch::Tensor& x, const torch::Tensor& packed, int64_t rows) {
+  TORCH_CHECK(has_bf16_linear(), "packed bf16 products need a CPU with AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be [M, K] bf16 on the CPU");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kGroup && packed.size(3) == 2 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16, "not a packed weight (see pack_bf16)");
+  TORCH_CHECK(x.size(1) == 2 * packed.size(1), "x has ", x.size(1), " columns, the packed weight ", 2 * packed.size(1));
+  TORCH_CHECK(rows > 0 && rows <= packed.size(0) * kGroup, "bad output count ", rows);
+}
+}  // namespace
+
+bool has_bf16_linear() {
+#ifdef ASERVE_BF16_DP
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor pack_bf16(torch::Tensor w, int64_t order) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_bf16: w must be [N, K] bf16");
+  TORCH_CHECK(w.size(1) % 2 == 0, "pack_bf16: K must be even, got ", w.size(1));
+  TORCH_CHECK(order == kOrderPlain || (order == kOrderGateUp && w.size(0) % kGroup == 0),
+              "pack_bf16: a gate_up weight needs a multiple of 64 rows");
+  const auto wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), K2 = K / 2, G = (N + kGroup - 1) / kGroup;
+  auto out = torch::zeros({G, K2, kGroup, 2}, wc.options());
+  const auto* src = reinterpret_cast<const uint32_t*>(wc.data_ptr<bf16>());  // (k, k+1) pairs of a row
+  auto* dst = reinterpret_cast<uint32_t*>(out.data_ptr<bf16>());
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t r = 0; r < kGroup; ++r) {
+        const int64_t n = src_row(order, N, g, r);
+        if (n < 0) continue;
+        for (int64_t k = 0; k < K2; ++k) dst[(g * K2 + k) * kGroup + r] = src[n * K2 + k];
+      }
+  });
+  return out;
+}
+
+torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, std::optional<torch::Tensor> bias) {
+  check_product(x, packed, n);
+  const auto xc = x.contiguous();
+  torch::Tensor b;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == n, "linear_packed: bias has ", b.numel(), " values for ", n, " outputs");
+  }
+  auto y = torch::empty({xc.size(0), n}, xc.options());
+#ifdef ASERVE_BF16_DP
+  if (xc.size(0) > 0)
+    run({xc.data_ptr<bf16>(), packed.data_ptr<bf16>(), xc.size(0), xc.size(1), n, kStore,
+         bias.has_value() ? b.data_ptr<float>() : nullptr, y.data_ptr<bf16>()});
+#endif
+  return y;
+}
+
+void linear_packed_add_(torch::Tensor y, torch::Tensor x, torch::Tensor packed) {
+  check_product(x, packed, y.size(1));
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(0) && y.is_contiguous() && y.scalar_type() == at::kBFloat16,
+              "linear_packed_add_: y must be a contiguous bf16 [M, N]");
+  const auto xc = x.contiguous();
+#ifdef ASERVE_BF16_DP
+  if (xc.size(0) > 0)
+    run({xc.data_ptr<bf16>(), packed.data_ptr<bf16>(), xc.size(0), xc.size(1), y.size(1), kAddInto, nullptr,
+         y.data_ptr<bf16>()});
+#endif
+}
+
+torch::Tensor silu_mul_packed(torch::Tensor x, torch::Tensor packed) {
+  const int64_t I = packed.size(0) * kGroup / 2;
+  check_product(x, packed, 2 * I);
+  const auto xc = x.contiguous();
+  auto y = torch::empty({xc.size(0), I}, xc.options());
+#ifdef ASERVE_BF16_DP
+  if (xc.size(0) > 0)
+    run({xc.data_ptr<bf16>(), packed.data_ptr<bf16>(), xc.size(0), xc.size(1), I, kSiluMul, nullptr,
+         y.data_ptr<bf16>()});
+#endif
+  return y;
+}
