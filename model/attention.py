@@ -11,8 +11,9 @@ tokens are batched: one query each. Pad tokens (TetriInfer's fixed-size chunk pa
 linear layers like any token but write no KV and attend to nothing.
 
 Backends: ``reference`` (plain torch matmul + softmax; CPU and CUDA), ``sdpa`` (torch's
-``scaled_dot_product_attention`` over gathered blocks), ``native`` (CPU: our C++ paged decode
-kernel from ``model/csrc``, which reads K/V in place; SDPA for prompt chunks), ``flash``
+``scaled_dot_product_attention`` over gathered blocks), ``native`` (CPU: our C++ kernels from
+``model/csrc``, which read K/V in place: paged decode, and for bf16 prompt chunks paged prefill;
+SDPA for other chunks), ``flash``
 (flash-attn's paged kernel, CUDA only, when ``flash_attn`` imports). ``pick_backend("auto")``
 takes native on CPU when it compiles and sdpa on CUDA (flash when installed).
 """
@@ -71,6 +72,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # common shapes first: a pure decode batch or one lone chunk needs no output scatter
     if not meta.prefills and meta.num_decode_tokens == t:
         return _decode_batch(q, k_cache, v_cache, meta, scale, backend)
+    if backend == "native" and _native_prefill(q, k_cache):
+        from model import native
+
+        seqs, tables = native.chunk_tables(meta.prefills)
+        out = native.paged_prefill(q, k_cache, v_cache, seqs, tables, scale)  # decode and pad rows 0
+        if meta.num_decode_tokens:
+            s, e = meta.num_prefill_tokens, meta.num_real_tokens
+            out[s:e] = _decode_batch(q[s:e], k_cache, v_cache, meta, scale, backend)
+        return out
     if len(meta.prefills) == 1 and not meta.num_decode_tokens and meta.prefills[0].end == t:
         return _prefill_one(q, k_cache, v_cache, meta.prefills[0], scale, backend)
     out = torch.zeros_like(q)
@@ -81,6 +91,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         e = s + meta.num_decode_tokens
         out[s:e] = _decode_batch(q[s:e], k_cache, v_cache, meta, scale, backend)
     return out
+
+
+def _native_prefill(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    from model import native
+
+    return q.device.type == "cpu" and native.prefill_applies(q, k_cache)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, ctx_len: int) -> torch.Tensor:

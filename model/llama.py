@@ -13,7 +13,6 @@ from model.attention import AttentionMeta, paged_attention, write_kv
 from model.config import ModelArgs
 from model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
 from model import native
-from model.native import linear
 
 
 class LlamaAttention(nn.Module):
@@ -83,26 +82,26 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)  # [T, hidden]
         if self._native_step(x, meta):
             cos, sin = self.rope.cos[positions].float(), self.rope.sin[positions].float()
-            return native.llama_decode(x, cos, sin, self._step_weights(), self.norm.weight, kv, meta.slot_mapping,
-                                       meta.decode_block_tables, meta.decode_ctx_lens, self.args.num_heads,
-                                       self.args.norm_eps, self.layers[0].attn.scale)
+            return native.llama_forward(x, cos, sin, self._step_weights(), self.norm.weight, kv, meta,
+                                        self.args.num_heads, self.args.norm_eps, self.layers[0].attn.scale)
         rope = self.rope.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, meta, kv[i])
         return self.norm(x)
 
     def _native_step(self, x: torch.Tensor, meta: AttentionMeta) -> bool:
-        """Whether this step can run as one ``native.llama_decode`` call: decode tokens only
-        (no prompt chunk, no pad), the native backend, bf16 on a CPU with the packed products,
-        no biases, no autograd."""
-        return (native.NATIVE_STEP and not meta.prefills and meta.num_decode_tokens == x.shape[0]
-                and x.dtype is torch.bfloat16 and x.device.type == "cpu" and self.layers[0].attn.backend == "native"
-                and not (self.args.attention_bias or self.args.mlp_bias) and not torch.is_grad_enabled()
+        """Whether this step can run as one ``native.llama_forward`` call: the native backend,
+        bf16 on a CPU with the packed products and a head layout the attention kernels take, no
+        biases, no autograd. Any mix of prompt chunks, decode tokens and pad rows."""
+        return (native.NATIVE_STEP and x.dtype is torch.bfloat16 and x.device.type == "cpu"
+                and self.layers[0].attn.backend == "native" and not (self.args.attention_bias or self.args.mlp_bias) and not torch.is_grad_enabled()
                 and self.norm.weight.dtype is torch.bfloat16 and native.packable(x, self.embed.weight)
-                and self.args.intermediate_size % 32 == 0)
+                and self.args.intermediate_size % 32 == 0
+                and (not meta.prefills or (self.args.head_dim in (32, 64, 128)  # paged_prefill's layouts
+                                           and self.args.num_heads // self.args.num_kv_heads <= 8)))
 
     def _step_weights(self) -> list:
-        """The six weights of each layer in ``llama_decode``'s order (the Parameter objects, so
+        """The six weights of each layer in ``llama_forward``'s order (the Parameter objects, so
         a later in-place load or ``.to()`` is seen: ``native.packed`` repacks what changed)."""
         if getattr(self, "_step_weight_list", None) is None:
             self._step_weight_list = [w for b in self.layers for w in (
@@ -112,8 +111,7 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, w).float()
+        return native.logits(hidden, self.embed.weight if self.lm_head is None else self.lm_head.weight)
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy weights named as in HF's ``LlamaForCausalLM``, fusing q/k/v and gate/up."""

@@ -6,8 +6,9 @@ cached under ~/.cache/torch_extensions), and skipped with a clear reason where n
 - ``linear`` and ``silu_mul``: bf16 matrix products on CPUs with AVX512-BF16 over weights packed
   once, on first use, into the layout of ``model/csrc/gemm_bf16.cpp`` (faster than torch's
   matmul at every batch size measured, 1 to 512 rows, so every bf16 CPU linear goes there);
-- ``llama_decode``: a whole decode-only step of a bf16 LLaMA model in one call
-  (``model/csrc/llama_decode.cpp``), so the ~25 small ops per layer are not dispatched one by one.
+- ``paged_prefill``: causal attention of prompt chunks over the pool, bf16 (``paged_prefill_bf16.cpp``);
+- ``llama_forward``: a whole step of a bf16 LLaMA model (prompt chunks and decode tokens) in one
+  call (``model/csrc/llama_forward.cpp``), so the ~25 small ops per layer are not dispatched one by one.
 
 The packed copy of a weight lives on the weight tensor itself (an attribute) and is remade when
 the weight changes in place or moves: a bf16 model on the CPU holds its weights twice (the
@@ -28,10 +29,11 @@ import torch.nn.functional as F
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [str(_CSRC / name) for name in
-            ("paged_attention.cpp", "paged_decode_bf16.cpp", "gemm_bf16.cpp", "llama_decode.cpp")]
+            ("paged_attention.cpp", "paged_decode_bf16.cpp", "paged_prefill_bf16.cpp", "gemm_bf16.cpp",
+             "llama_forward.cpp")]
 # ASERVE_NATIVE_LINEAR=0 keeps every linear on torch's matmul (for A/B measurements)
 NATIVE_LINEAR = os.environ.get("ASERVE_NATIVE_LINEAR", "1") != "0"
-# ASERVE_NATIVE_STEP=0 runs decode steps op by op in Python even where llama_decode could
+# ASERVE_NATIVE_STEP=0 runs steps op by op in Python even where llama_forward could
 NATIVE_STEP = os.environ.get("ASERVE_NATIVE_STEP", "1") != "0"
 
 
@@ -41,7 +43,7 @@ def load():
     from torch.utils.cpp_extension import load as build
 
     try:
-        return build(name="aserve_native_v8", sources=_SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        return build(name="aserve_native_v9", sources=_SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
                      extra_include_paths=[str(_CSRC)], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler missing, headers missing, ...
         raise RuntimeError(f"cannot build aserve's C++ kernels: {e}") from e
@@ -70,9 +72,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a product of ``x`` and ``weight`` goes to our packed kernel: bf16 CPU tensors, an
-    even input width, no autograd. Called on every linear of every step: cheapest tests first."""
+    even input width, nothing for autograd to track (the kernel has no backward). Called on every
+    linear of every step: cheapest tests first."""
     return (NATIVE_LINEAR and x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.device.type == "cpu"
-            and weight.shape[1] % 2 == 0 and not torch.is_grad_enabled() and bf16_linear_available())
+            and weight.shape[1] % 2 == 0
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and bf16_linear_available())
 
 
 def packed(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
@@ -89,11 +94,20 @@ def packed(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear``, through our packed bf16 kernel where it applies (see ``_packable``)."""
+    """``F.linear``, through our packed bf16 kernel where it applies (see ``packable``)."""
     if packable(x, weight):
         y = load().linear_packed(x.reshape(-1, x.shape[-1]), packed(weight), weight.shape[0], bias)
         return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """An LM head's fp32 logits [N, vocab]. Where the packed kernel applies, its fp32 sums are
+    returned as they are: rounding logits to bf16 (steps of 0.125 between 16 and 32) turned
+    near-ties into ties, and a tie into the wrong greedy token; elsewhere the model dtype's."""
+    if packable(x, weight):
+        return load().linear_packed(x, packed(weight), weight.shape[0], None, True)
+    return F.linear(x, weight).float()
 
 
 def silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -107,14 +121,48 @@ def silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def llama_decode(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: list, final_norm: torch.Tensor,
-                 kv: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor,
-                 num_heads: int, eps: float, scale: float) -> torch.Tensor:
-    """A decode-only step through every layer: x [T, E] bf16 embeddings -> final-normed hidden
-    [T, E]; ``weights`` holds six tensors per layer (attn_norm, qkv, o, mlp_norm, gate_up, down:
-    the Parameters; the four matrices are handed over packed)."""
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: torch.Tensor,
+                  tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of prompt chunks, bf16: q [T, H, D] (the chunks' rows), caches
+    [num_blocks, block_size, H_kv, D], seqs [P, 3] (first row, end row, context length after the
+    chunk), tables [P, max_blocks]. Returns [T, H, D] (rows of no chunk are 0)."""
+    return load().paged_prefill(q.contiguous(), k_cache, v_cache, seqs, tables, scale)
+
+
+def prefill_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether ``paged_prefill`` takes this layout: bf16, head size 32/64/128, up to 8 query
+    heads per KV head, AVX512-BF16."""
+    heads, kv_heads, d = q.shape[1], k_cache.shape[2], q.shape[2]
+    return (q.dtype is torch.bfloat16 and k_cache.dtype is torch.bfloat16 and d in (32, 64, 128)
+            and heads % kv_heads == 0 and heads // kv_heads <= 8 and bf16_linear_available())
+
+
+def llama_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: list, final_norm: torch.Tensor,
+                  kv: torch.Tensor, meta, num_heads: int, eps: float, scale: float) -> torch.Tensor:
+    """A whole step through every layer (prompt chunks, decode tokens, pad rows): x [T, E] bf16
+    embeddings -> final-normed hidden [T, E]; ``weights`` holds six tensors per layer (attn_norm,
+    qkv, o, mlp_norm, gate_up, down: the Parameters; the four matrices are handed over packed);
+    ``meta`` is the step's ``AttentionMeta``."""
     step = []
     for i in range(0, len(weights), 6):
         attn_norm, qkv, o, mlp_norm, gate_up, down = weights[i:i + 6]
         step += [attn_norm, packed(qkv), packed(o), mlp_norm, packed(gate_up, gate_up=True), packed(down)]
-    return load().llama_decode(x, cos, sin, step, final_norm, kv, slots, tables, ctx_lens, num_heads, eps, scale)
+    seqs, seq_tables = chunk_tables(meta.prefills)
+    dec_tables, dec_lens = meta.decode_block_tables, meta.decode_ctx_lens
+    if dec_tables is None:
+        dec_tables, dec_lens = torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    return load().llama_forward(x, cos, sin, step, final_norm, kv, meta.slot_mapping, seqs, seq_tables, dec_tables,
+                                dec_lens, num_heads, eps, scale)
+
+
+def chunk_tables(prefills) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt chunks of a step as ``llama_forward`` and ``paged_prefill`` take them:
+    [P, 3] (first row, end row, context length) and their block tables [P, max_blocks]."""
+    if not prefills:
+        return torch.zeros(0, 3, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long)
+    seqs = torch.tensor([(p.start, p.end, p.ctx_len) for p in prefills], dtype=torch.long)
+    width = max(p.block_ids.numel() for p in prefills)
+    tables = torch.zeros(len(prefills), width, dtype=torch.long)
+    for i, p in enumerate(prefills):
+        tables[i, :p.block_ids.numel()] = p.block_ids
+    return seqs, tables

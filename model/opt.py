@@ -11,7 +11,7 @@ from model.attention import AttentionMeta, paged_attention, write_kv
 from model.config import ModelArgs
 from model.layers import Linear
 from model.llama import _load_exact
-from model.native import linear
+from model import native
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2 (fairseq legacy)
 
@@ -81,8 +81,8 @@ class OPTForCausalLM(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, w).float()
+        """hidden: [N, hidden] -> float32 logits [N, vocab]."""
+        return native.logits(hidden, self.embed.weight if self.lm_head is None else self.lm_head.weight)
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy weights named as in HF's ``OPTForCausalLM`` (``model.decoder.*``), fusing q/k/v."""

@@ -36,16 +36,18 @@ def test_greedy_france_says_paris(default_bundle_fp32):
 
 
 @pytest.mark.skipif(not (native.available() and native.bf16_linear_available()), reason="no AVX512-BF16 kernels here")
-def test_bf16_default_engine_says_paris_through_the_one_call_decode_step(monkeypatch):
-    """The engine's defaults (bf16, attention auto = native) decode through ``native.llama_decode``
-    (counted by wrapping the real function) and still answer the question."""
+def test_bf16_default_engine_says_paris_through_the_one_call_step(monkeypatch):
+    """The engine's defaults (bf16, attention auto = native) run every step, the prompt's and the
+    decode steps, through ``native.llama_forward`` (counted by wrapping the real function) and
+    still answer the question."""
     calls = []
-    real = native.llama_decode
-    monkeypatch.setattr(native, "llama_decode", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = native.llama_forward
+    monkeypatch.setattr(native, "llama_forward", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     llm = LLM(EngineConfig(dtype="bf16", kv_cache_gb=0.05))
     out = llm.generate([QUESTION], SamplingParams(max_tokens=24, temperature=0))[0]
     assert "Paris" in out.text
-    assert len(calls) == len(out.token_ids) - 1  # every step after the prompt's
+    assert len(calls) == len(out.token_ids)  # the prompt's step, then one a token after the first
+    assert calls[0] > 1 and calls[1:] == [1] * (len(calls) - 1)
     assert llm.blocks.num_free == llm.blocks.num_blocks
 
 

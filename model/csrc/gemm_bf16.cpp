@@ -23,7 +23,7 @@
 // 32 rows 21 ms (torch 42-49), 512 rows 274 ms = 396 GFLOP/s (torch 372 ms): faster at
 // every size, so every bf16 CPU linear goes through here.
 //
-// Epilogues (what happens to a block's fp32 sums): store as bf16 (+ fp32 bias), add into a bf16
+// Epilogues (what happens to a block's fp32 sums): store as bf16 or fp32 (+ fp32 bias), add into a bf16
 // residual stream (rounded to bf16 first, as a separate linear then add would), or SwiGLU's
 // silu(gate) * up for a gate_up weight packed with ``kOrderGateUp`` (each group's first 32 rows
 // are gate rows, its last 32 the matching up rows).
@@ -103,11 +103,11 @@ struct Job {
   const bf16* x;        // [M, K]
   const bf16* w;        // packed
   int64_t M, K, N;      // N: outputs of the product (I for SwiGLU)
-  int epilogue;         // kStore, kAddInto, kSiluMul
-  const float* bias;    // kStore only, may be null
-  bf16* y;              // [M, N]
+  int epilogue;         // kStore, kStoreF32, kAddInto, kSiluMul
+  const float* bias;    // kStore and kStoreF32, may be null
+  void* y;              // [M, N] bf16 (fp32 for kStoreF32)
 };
-constexpr int kStore = 0, kAddInto = 1, kSiluMul = 2;
+constexpr int kStore = 0, kAddInto = 1, kSiluMul = 2, kStoreF32 = 3;
 
 template <int MB>
 void finish(const Job& j, int64_t m0, int64_t g, Sums<MB>& acc) {
@@ -119,7 +119,7 @@ void finish(const Job& j, int64_t m0, int64_t g, Sums<MB>& acc) {
         // silu rounded to bf16, then the product rounded: torch's F.silu(gate) * up in bf16
         const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
         const __m512 s = round_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        store_bf16(j.y + (m0 + m) * j.N + n0 + t * kTile, _mm512_mul_ps(s, up), j.N - n0 - t * kTile);
+        store_bf16(static_cast<bf16*>(j.y) + (m0 + m) * j.N + n0 + t * kTile, _mm512_mul_ps(s, up), j.N - n0 - t * kTile);
       }
     return;
   }
@@ -128,11 +128,15 @@ void finish(const Job& j, int64_t m0, int64_t g, Sums<MB>& acc) {
     for (int t = 0; t < kTiles; ++t) {
       const int64_t n = n0 + t * kTile, valid = j.N - n;
       if (valid <= 0) break;
-      bf16* dst = j.y + (m0 + m) * j.N + n;
+      const __mmask16 mask = valid >= kTile ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
       __m512 v = acc[m][t];
+      if (j.epilogue != kAddInto && j.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, j.bias + n));
+      if (j.epilogue == kStoreF32) {
+        _mm512_mask_storeu_ps(static_cast<float*>(j.y) + (m0 + m) * j.N + n, mask, v);
+        continue;
+      }
+      bf16* dst = static_cast<bf16*>(j.y) + (m0 + m) * j.N + n;
       if (j.epilogue == kAddInto) v = _mm512_add_ps(widen(dst, valid), round_bf16(v));
-      else if (j.bias) v = _mm512_add_ps(v, valid >= kTile ? _mm512_loadu_ps(j.bias + n)
-                                                            : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << valid) - 1u), j.bias + n));
       store_bf16(dst, v, valid);
     }
 }
@@ -204,7 +208,8 @@ torch::Tensor pack_bf16(torch::Tensor w, int64_t order) {
   return out;
 }
 
-torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, std::optional<torch::Tensor> bias) {
+torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, std::optional<torch::Tensor> bias,
+                            bool fp32_out) {
   check_product(x, packed, n);
   const auto xc = x.contiguous();
   torch::Tensor b;
@@ -212,11 +217,11 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, st
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.numel() == n, "linear_packed: bias has ", b.numel(), " values for ", n, " outputs");
   }
-  auto y = torch::empty({xc.size(0), n}, xc.options());
+  auto y = torch::empty({xc.size(0), n}, xc.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
 #ifdef ASERVE_BF16_DP
   if (xc.size(0) > 0)
-    run({xc.data_ptr<bf16>(), packed.data_ptr<bf16>(), xc.size(0), xc.size(1), n, kStore,
-         bias.has_value() ? b.data_ptr<float>() : nullptr, y.data_ptr<bf16>()});
+    run({xc.data_ptr<bf16>(), packed.data_ptr<bf16>(), xc.size(0), xc.size(1), n, fp32_out ? kStoreF32 : kStore,
+         bias.has_value() ? b.data_ptr<float>() : nullptr, y.data_ptr()});
 #endif
   return y;
 }

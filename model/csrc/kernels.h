@@ -18,8 +18,10 @@ constexpr int64_t kOrderPlain = 0, kOrderGateUp = 1;
 bool has_bf16_linear();
 // w [N, K] bf16 -> the packed layout of gemm_bf16.cpp, [ceil(N / 64), K / 2, 64, 2].
 torch::Tensor pack_bf16(torch::Tensor w, int64_t order);
-// x [M, K] bf16 @ w.T (+ bias) with w packed plain; n = w's row count. Returns [M, n] bf16.
-torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, std::optional<torch::Tensor> bias);
+// x [M, K] bf16 @ w.T (+ bias) with w packed plain; n = w's row count. Returns [M, n] bf16, or
+// the fp32 sums unrounded with fp32_out.
+torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, std::optional<torch::Tensor> bias,
+                            bool fp32_out = false);
 // y [M, N] += bf16(x @ w.T), w packed plain: a linear and a residual add in one pass.
 void linear_packed_add_(torch::Tensor y, torch::Tensor x, torch::Tensor packed);
 // silu(x @ gate.T) * (x @ up.T) with the gate_up weight packed kOrderGateUp: [M, I] bf16.
@@ -31,11 +33,16 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // returns false where it does not apply (dtype, head size, heads per KV head, no AVX512-BF16).
 bool paged_decode_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const torch::Tensor& tables, const torch::Tensor& ctx_lens, double scale, torch::Tensor& out);
-// A whole decode-only step of a LLaMA model in bf16, embeddings in, final-normed hidden out
-// (llama_decode.cpp has the argument layout).
-torch::Tensor llama_decode(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> layers,
-                           torch::Tensor final_norm, torch::Tensor kv, torch::Tensor slots, torch::Tensor tables,
-                           torch::Tensor ctx_lens, int64_t num_heads, double eps, double scale);
+// Causal attention of prompt chunks over the pool (paged_prefill_bf16.cpp): fills the chunks'
+// rows of out and returns true, or returns false where it does not apply (dtype, head layout).
+bool paged_prefill_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                        const torch::Tensor& seqs, const torch::Tensor& tables, double scale, torch::Tensor& out);
+// A whole forward step of a LLaMA model in bf16, embeddings in, final-normed hidden out: prompt
+// chunks and decode tokens (llama_forward.cpp has the argument layout).
+torch::Tensor llama_forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> layers,
+                            torch::Tensor final_norm, torch::Tensor kv, torch::Tensor slots, torch::Tensor seqs,
+                            torch::Tensor seq_tables, torch::Tensor dec_tables, torch::Tensor dec_lens,
+                            int64_t num_heads, double eps, double scale);
 
 #if defined(__AVX512F__)
 // e^x, 16 lanes: 2^(x log2 e) split into an integer power (applied exactly by scalef) and a

@@ -203,11 +203,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "pack a bf16 weight [N, K] for the products below", py::arg("w"),
         py::arg("order") = kOrderPlain, no_gil);
   m.def("linear_packed", &linear_packed, "x @ w.T (+ bias) with w packed (CPU, AVX512-BF16)", py::arg("x"),
-        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), no_gil);
+        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("fp32_out") = false, no_gil);
   m.def("linear_packed_add_", &linear_packed_add_, "y += x @ w.T with w packed", no_gil);
   m.def("silu_mul_packed", &silu_mul_packed, "silu(x @ gate.T) * (x @ up.T) with gate_up packed in gate-up order",
         no_gil);
-  m.def("llama_decode", &llama_decode, "a LLaMA decode-only step through every layer (CPU, bf16)", no_gil);
+  m.def("llama_forward", &llama_forward, "a LLaMA step through every layer: chunks and decode tokens (CPU, bf16)",
+        no_gil);
+  m.def("paged_prefill", [](torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor seqs,
+                            torch::Tensor tables, double scale) {
+    auto out = torch::zeros_like(q);
+    TORCH_CHECK(paged_prefill_bf16(q, k, v, seqs, tables, scale, out), "paged_prefill: bf16, head size 32/64/128");
+    return out;
+  }, "causal attention of prompt chunks over the pool (CPU, bf16)", no_gil);
   m.def("has_bf16_linear", &has_bf16_linear, "whether this build has the AVX512-BF16 products");
   m.attr("ORDER_PLAIN") = kOrderPlain;
   m.attr("ORDER_GATE_UP") = kOrderGateUp;

@@ -1,14 +1,17 @@
-// One decode-only step of a LLaMA-family model through all its layers in a single call.
+// One forward step of a LLaMA-family model in bf16 through all its layers in a single call:
+// any mix of prompt chunks and decode tokens (and TetriInfer's pad rows).
 //
-// At batch 1 a step of the 135M default model reads ~270 MB of weights, and the ~25 small torch
-// ops per layer that Python dispatched one by one (norms, RoPE, the KV write, residual adds,
-// SiLU*up, splits and views) used to cost about as much again. Here each layer is four packed
-// bf16 products (gemm_bf16.cpp) and one paged attention call, with the rest as short loops:
+// At batch 1 a decode step of the 135M default model reads ~270 MB of weights, and the ~25 small
+// torch ops per layer that Python dispatched one by one (norms, RoPE, the KV write, residual
+// adds, SiLU*up, splits and views) used to cost about as much again; in a prompt chunk the same
+// ops, torch's unfused bf16 RMSNorm and SDPA took a third of the step. Here each layer is four
+// packed bf16 products (gemm_bf16.cpp), the two attention kernels, and short loops:
 //
 //   normed = rms_norm(h)                      vectorised, fp32 sums
 //   qkv    = normed @ Wqkv                    packed product
-//   q, K, V <- RoPE(qkv); K/V into the pool   fp32 tables, rounded once
-//   h     += attention(q) @ Wo                product and residual add in one pass
+//   q, K, V <- RoPE(qkv); K/V into the pool   fp32 tables, rounded once (real rows only)
+//   attn   = prompt chunks: paged_prefill_bf16, decode tokens: paged_decode; pad rows 0
+//   h     += attn @ Wo                        product and residual add in one pass
 //   normed = rms_norm(h)
 //   act    = silu(normed @ Wg) * (normed @ Wu)   one product, SwiGLU in its epilogue
 //   h     += act @ Wdown                      product and residual add in one pass
@@ -17,14 +20,20 @@
 // rounds it (the products' outputs before the residual add, silu before the multiply), except
 // RoPE, which is computed in fp32 from fp32 tables and rounded once.
 //
-//   x          [T, E] bf16: the step's embedded tokens, one per request
+// Rows of x are laid out as the runner lays out a step (model/attention.py):
+//   [ prompt chunk 0 | chunk 1 | ... | decode token 0 | ... | pad ... ]
+//
+//   x          [T, E] bf16: the step's embedded tokens
 //   cos, sin   [T, D] fp32: RoPE tables at each token's position (sin signed: cat(-sin, sin))
 //   layers     6 per layer: attn_norm [E], qkv packed ((H + 2 H_kv) D outputs), o packed (E),
 //              mlp_norm [E], gate_up packed in gate-up order (I outputs), down packed (E)
 //   final_norm [E]
 //   kv         [L, 2, num_blocks, BS, H_kv, D] bf16: the pool; this step's K/V is written at
-//   slots      [T] int64 flat slot of each token
-//   tables     [T, max_blocks] int64, ctx_lens [T] int64 (this token included)
+//   slots      [N] int64 flat slot of each real (not pad) token
+//   seqs       [P, 3] int64: each prompt chunk's first row, end row and context length after it
+//   seq_tables [P, max_blocks] int64 block ids of each chunk's request
+//   dec_tables [B, max_blocks'] int64, dec_lens [B] int64 (this token included): decode rows,
+//              which follow the chunks' rows
 //   returns    [T, E] bf16: the final RMSNorm of the last layer's output
 #include "kernels.h"
 
@@ -94,29 +103,34 @@ void rope_head(const bf16* x, const float* cos, const float* sin, bf16* out, int
 }
 }  // namespace
 
-torch::Tensor llama_decode(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> layers,
-                           torch::Tensor final_norm, torch::Tensor kv, torch::Tensor slots, torch::Tensor tables,
-                           torch::Tensor ctx_lens, int64_t num_heads, double eps, double scale) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "llama_decode: x [T, E] bf16 CPU");
-  TORCH_CHECK(kv.dim() == 6 && kv.scalar_type() == at::kBFloat16 && kv.is_contiguous(), "llama_decode: kv pool");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "llama_decode: fp32 RoPE tables");
+torch::Tensor llama_forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> layers,
+                            torch::Tensor final_norm, torch::Tensor kv, torch::Tensor slots, torch::Tensor seqs,
+                            torch::Tensor seq_tables, torch::Tensor dec_tables, torch::Tensor dec_lens,
+                            int64_t num_heads, double eps, double scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "llama_forward: x [T, E] bf16 CPU");
+  TORCH_CHECK(kv.dim() == 6 && kv.scalar_type() == at::kBFloat16 && kv.is_contiguous(), "llama_forward: kv pool");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "llama_forward: fp32 RoPE tables");
   const int64_t L = kv.size(0), BS = kv.size(3), H_kv = kv.size(4), D = kv.size(5);
-  const int64_t T = x.size(0), E = x.size(1), H = num_heads;
-  TORCH_CHECK(static_cast<int64_t>(layers.size()) == 6 * L, "llama_decode: 6 weights per layer");
-  TORCH_CHECK(cos.size(0) == T && cos.size(1) == D && sin.sizes() == cos.sizes(), "llama_decode: RoPE tables [T, D]");
-  TORCH_CHECK(slots.numel() == T && ctx_lens.numel() == T && tables.size(0) == T, "llama_decode: one slot per token");
-  TORCH_CHECK(D % 2 == 0 && H % H_kv == 0, "llama_decode: head layout");
+  const int64_t T = x.size(0), E = x.size(1), H = num_heads, N = slots.numel(), B = dec_lens.numel();
+  TORCH_CHECK(static_cast<int64_t>(layers.size()) == 6 * L, "llama_forward: 6 weights per layer");
+  TORCH_CHECK(cos.size(0) == T && cos.size(1) == D && sin.sizes() == cos.sizes(), "llama_forward: RoPE tables [T, D]");
+  TORCH_CHECK(N <= T && dec_tables.size(0) == B && seqs.size(0) == seq_tables.size(0), "llama_forward: step layout");
+  TORCH_CHECK(D % 2 == 0 && H % H_kv == 0, "llama_forward: head layout");
+  const int64_t num_prefill = N - B;  // rows of prompt chunks, then B decode rows
+  TORCH_CHECK(num_prefill >= 0 && (seqs.size(0) == 0 || seqs[-1][1].item<int64_t>() == num_prefill),
+              "llama_forward: the chunks' rows must come first and end where the decode rows start");
   const auto cosc = cos.contiguous(), sinc = sin.contiguous(), slotc = slots.contiguous();
   const float* cp = cosc.data_ptr<float>();
   const float* sp = sinc.data_ptr<float>();
   const int64_t* slot = slotc.data_ptr<int64_t>();
   const int64_t qkv_width = (H + 2 * H_kv) * D;
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < kv.size(2) * BS, "llama_decode: slot out of the pool");
+  for (int64_t t = 0; t < N; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < kv.size(2) * BS, "llama_forward: slot out of the pool");
 
   auto h = x.contiguous().clone();  // the residual stream
   auto normed = torch::empty_like(h);
-  auto q = torch::empty({T, H, D}, h.options());
+  auto q = torch::empty({N, H, D}, h.options());
+  auto attn = torch::zeros({T, H, D}, h.options());  // pad rows stay 0, as in the op-by-op path
   bf16* hp = h.data_ptr<bf16>();
   bf16* np = normed.data_ptr<bf16>();
   bf16* qp = q.data_ptr<bf16>();
@@ -131,7 +145,7 @@ torch::Tensor llama_decode(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
     rms_norm(hp, w[0].data_ptr<bf16>(), np, T, E, fe);
     const auto qkv = linear_packed(normed, w[1], qkv_width, std::nullopt);
     const bf16* qkvp = qkv.data_ptr<bf16>();
-    for (int64_t t = 0; t < T; ++t) {
+    for (int64_t t = 0; t < N; ++t) {
       const bf16* row = qkvp + t * qkv_width;
       const float *ct = cp + t * D, *st = sp + t * D;
       for (int64_t j = 0; j < H; ++j) rope_head(row + j * D, ct, st, qp + (t * H + j) * D, D);
@@ -140,7 +154,14 @@ torch::Tensor llama_decode(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
         std::copy_n(row + (H + H_kv + j) * D, D, vc + (slot[t] * H_kv + j) * D);
       }
     }
-    const auto attn = paged_decode(q, k_cache, v_cache, tables, ctx_lens, scale);
+    if (num_prefill > 0) {
+      auto out = attn.narrow(0, 0, num_prefill);
+      if (!paged_prefill_bf16(q.narrow(0, 0, num_prefill), k_cache, v_cache, seqs, seq_tables, scale, out))
+        TORCH_CHECK(false, "llama_forward: no bf16 prefill attention for this head layout");
+    }
+    if (B > 0)
+      attn.narrow(0, num_prefill, B).copy_(paged_decode(q.narrow(0, num_prefill, B), k_cache, v_cache, dec_tables,
+                                                        dec_lens, scale));
     linear_packed_add_(h, attn.view({T, H * D}), w[2]);
 
     rms_norm(hp, w[3].data_ptr<bf16>(), np, T, E, fe);
