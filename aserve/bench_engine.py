@@ -6,7 +6,10 @@
   random values: a step's cost does not depend on them);
 - generate: the same 32 prompts (~128 tokens, 128 new tokens, greedy) through transformers'
   ``generate`` (padded batch) and through our engine;
-- roofline: weight bytes / memory bandwidth measured in this run, against the batch-1 step.
+- roofline: weight bytes / memory read bandwidth measured in this run, against the batch-1
+  step. A decode step only reads weights (and a little KV), so the roofline uses what the
+  machine reads per second (``read_bandwidth``); the copy bandwidth STREAM-style probes report
+  (read + write counted) is measured and printed beside it, with the ratio it would give.
 """
 from __future__ import annotations
 
@@ -74,12 +77,12 @@ def bench_decode(runner, blocks, device, batches, ctx, reps) -> dict:
     return out
 
 
-def memory_bandwidth(device: str, nbytes: int = 1 << 30, rounds: int = 3) -> float:
+def copy_bandwidth(device: str, nbytes: int = 1 << 30, rounds: int = 3) -> float:
     """Bytes/s of a large tensor copy (read + write counted): the best of ``rounds`` fresh pairs
-    of buffers, as STREAM reports its best. On the 2-core CPU machine one process copied its
-    first pair at ~45 GB/s and every later one at ~75 GB/s (same sizes, same dtype); in other
-    runs every pair stayed near 42-45 GB/s. The best of several takes out the first-pair effect;
-    the machine's own variation stays, and the decode step moves with it."""
+    of buffers, as STREAM reports its best. On the 2-core CPU machine a process copied its first
+    pair at ~45 GB/s and later ones at ~75 in one run, 42-45 throughout in others; and while the
+    copy gave 43-45 GB/s, reading alone gave 22-28: a copy keeps reads and writes in flight
+    together, two cores' reads alone are bounded by how many misses each can keep waiting."""
     best = 0.0
     for _ in range(rounds):
         x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1)
@@ -87,6 +90,23 @@ def memory_bandwidth(device: str, nbytes: int = 1 << 30, rounds: int = 3) -> flo
         dt = _median_time(lambda: y.copy_(x), 5, device)
         best = max(best, 2 * x.numel() * x.element_size() / dt)
         del x, y
+    return best
+
+
+def read_bandwidth(device: str, nbytes: int = 1 << 30, rounds: int = 3) -> float:
+    """Bytes/s of reading a large buffer once: the best of ``rounds`` fresh buffers. On a CPU
+    with our kernels, ``model.native``'s read pass (the packed products' own loads and L2
+    prefetch, so the roofline is not below what the kernels can do); elsewhere a sum, which on
+    CUDA is bound by memory reads."""
+    from model import native
+
+    best = 0.0
+    cpu = not device.startswith("cuda")
+    for _ in range(rounds):
+        x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        read = (lambda: native.load().read_pass(x)) if cpu and native.available() else (lambda: x.sum())
+        best = max(best, nbytes / _median_time(read, 5, device))
+        del x
     return best
 
 
@@ -138,7 +158,8 @@ def run_engine_bench(cfg: EngineConfig, json_path: str | None, quick: bool = Fal
     with console.status("decode steps"):
         decode = bench_decode(runner, blocks, cfg.device, batches, 128 if quick else 512, reps * 2)
     with console.status("memory bandwidth"):
-        bw = memory_bandwidth(cfg.device, 1 << 28 if quick else 1 << 30)
+        bw = read_bandwidth(cfg.device, 1 << 28 if quick else 1 << 30)
+        copy_bw = copy_bandwidth(cfg.device, 1 << 28 if quick else 1 << 30)
     wbytes = weight_bytes(bundle.model)
     roof_ms = wbytes / bw * 1000
     with console.status("generate: transformers vs aserve"):
@@ -148,7 +169,10 @@ def run_engine_bench(cfg: EngineConfig, json_path: str | None, quick: bool = Fal
         "dtype": str(bundle.dtype).removeprefix("torch."), "attention": pick_backend(cfg.attention, cfg.device), "threads": torch.get_num_threads(),
         "model": str(bundle.path.name), "prefill": prefill["chunks"], "saturate_chunk": prefill["saturate_chunk"],
         "decode": decode, "memory_bandwidth_gb_s": bw / 1e9, "weight_bytes": wbytes,
-        "roofline_decode_step_ms": roof_ms, "decode_step_vs_roofline": decode[1]["step_ms"] / roof_ms, **gen,
+        "roofline_decode_step_ms": roof_ms, "decode_step_vs_roofline": decode[1]["step_ms"] / roof_ms,
+        "copy_bandwidth_gb_s": copy_bw / 1e9,
+        "decode_step_vs_copy_roofline": decode[1]["step_ms"] / (wbytes / copy_bw * 1000),
+        **gen,
     }
     _print(console, result)
     if not quick:
@@ -185,6 +209,7 @@ def _print(console: Console, r: dict) -> None:
     t = Table(title="side by side")
     t.add_column("figure"), t.add_column("value", justify="right")
     for k in ("hf_generate_tokens_per_s", "aserve_generate_tokens_per_s", "generate_speedup", "memory_bandwidth_gb_s",
-              "roofline_decode_step_ms", "decode_step_vs_roofline"):
+              "roofline_decode_step_ms", "decode_step_vs_roofline", "copy_bandwidth_gb_s",
+              "decode_step_vs_copy_roofline"):
         t.add_row(k, f"{r[k]:.2f}")
     console.print(t)

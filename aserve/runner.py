@@ -124,21 +124,18 @@ class ModelRunner:
         num_prefill = len(ids) - len(decodes)
         ids.extend([0] * step.num_pad_tokens)
         pos.extend([0] * step.num_pad_tokens)
-        bt, bias, ctx_lens = self._decode_tables(decodes)
-        meta = AttentionMeta(self._long(slots), tuple(pre_meta), num_prefill, len(decodes), bt, bias, ctx_lens)
+        bt, ctx_lens = self._decode_tables(decodes)
+        meta = AttentionMeta(self._long(slots), tuple(pre_meta), num_prefill, len(decodes), bs, bt, ctx_lens)
         return self._long(ids), self._long(pos), meta, rows, specs, rids
 
     def _decode_tables(self, decodes: list[SeqWork]):
         if not decodes:
-            return None, None, None
+            return None, None
         bs = self.block_size
         ctx = [d.start_pos + 1 for d in decodes]
         nb = max(-(-c // bs) for c in ctx)
         table = [list(d.block_ids[:nb]) + [0] * (nb - len(d.block_ids[:nb])) for d in decodes]
-        ctx_t = torch.tensor(ctx)
-        bias = torch.zeros(len(decodes), 1, 1, nb * bs)
-        bias.masked_fill_(torch.arange(nb * bs)[None, None, None, :] >= ctx_t[:, None, None, None], float("-inf"))
-        return self._long(table), bias.to(self.device), ctx_t.to(self.device)
+        return self._long(table), self._long(ctx)
 
     def _long(self, xs) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long).to(self.device, non_blocking=True)

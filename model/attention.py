@@ -19,6 +19,7 @@ takes native on CPU when it compiles and sdpa on CUDA (flash when installed).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,13 +48,23 @@ class AttentionMeta:
     prefills: tuple[PrefillSeq, ...]
     num_prefill_tokens: int
     num_decode_tokens: int
+    block_size: int
     decode_block_tables: Optional[torch.Tensor]  # [B_dec, max_blocks] long (padded with block 0)
-    decode_bias: Optional[torch.Tensor]  # [B_dec, 1, 1, max_blocks*block_size] float: 0 or -inf
-    decode_ctx_lens: Optional[torch.Tensor] = None  # [B_dec] int64 (native and flash backends)
+    decode_ctx_lens: Optional[torch.Tensor] = None  # [B_dec] int64
 
     @property
     def num_real_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+    @functools.cached_property
+    def decode_bias(self) -> torch.Tensor:
+        """[B_dec, 1, 1, max_blocks * block_size] float, 0 or -inf: the padded decode batch's mask
+        for the sdpa and reference backends (built on first use: the native and flash kernels read
+        the context lengths instead, and a batch-1 step is short enough for its cost to show)."""
+        width = self.decode_block_tables.shape[1] * self.block_size
+        cols = torch.arange(width, device=self.decode_ctx_lens.device)
+        bias = torch.zeros(self.decode_ctx_lens.shape[0], 1, 1, width, device=self.decode_ctx_lens.device)
+        return bias.masked_fill_(cols[None, None, None, :] >= self.decode_ctx_lens[:, None, None, None], float("-inf"))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -137,29 +137,37 @@ def prefill_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and heads % kv_heads == 0 and heads // kv_heads <= 8 and bf16_linear_available())
 
 
+def step_weights(params: list) -> list:
+    """``llama_forward``'s weights from the six Parameters of each layer (attn_norm, qkv, o,
+    mlp_norm, gate_up, down): the norms as they are, the four matrices packed."""
+    step = []
+    for i in range(0, len(params), 6):
+        attn_norm, qkv, o, mlp_norm, gate_up, down = params[i:i + 6]
+        step += [attn_norm, packed(qkv), packed(o), mlp_norm, packed(gate_up, gate_up=True), packed(down)]
+    return step
+
+
 def llama_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: list, final_norm: torch.Tensor,
                   kv: torch.Tensor, meta, num_heads: int, eps: float, scale: float) -> torch.Tensor:
     """A whole step through every layer (prompt chunks, decode tokens, pad rows): x [T, E] bf16
-    embeddings -> final-normed hidden [T, E]; ``weights`` holds six tensors per layer (attn_norm,
-    qkv, o, mlp_norm, gate_up, down: the Parameters; the four matrices are handed over packed);
+    embeddings -> final-normed hidden [T, E]; ``weights`` as ``step_weights`` makes them;
     ``meta`` is the step's ``AttentionMeta``."""
-    step = []
-    for i in range(0, len(weights), 6):
-        attn_norm, qkv, o, mlp_norm, gate_up, down = weights[i:i + 6]
-        step += [attn_norm, packed(qkv), packed(o), mlp_norm, packed(gate_up, gate_up=True), packed(down)]
     seqs, seq_tables = chunk_tables(meta.prefills)
     dec_tables, dec_lens = meta.decode_block_tables, meta.decode_ctx_lens
     if dec_tables is None:
-        dec_tables, dec_lens = torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-    return load().llama_forward(x, cos, sin, step, final_norm, kv, meta.slot_mapping, seqs, seq_tables, dec_tables,
+        dec_tables, dec_lens = _NO_ROWS, _NO_ROWS[:, 0]
+    return load().llama_forward(x, cos, sin, weights, final_norm, kv, meta.slot_mapping, seqs, seq_tables, dec_tables,
                                 dec_lens, num_heads, eps, scale)
+
+
+_NO_ROWS = torch.zeros(0, 3, dtype=torch.long)  # no chunk (as [P, 3]) or no decode row
 
 
 def chunk_tables(prefills) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt chunks of a step as ``llama_forward`` and ``paged_prefill`` take them:
     [P, 3] (first row, end row, context length) and their block tables [P, max_blocks]."""
     if not prefills:
-        return torch.zeros(0, 3, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long)
+        return _NO_ROWS, _NO_ROWS
     seqs = torch.tensor([(p.start, p.end, p.ctx_len) for p in prefills], dtype=torch.long)
     width = max(p.block_ids.numel() for p in prefills)
     tables = torch.zeros(len(prefills), width, dtype=torch.long)

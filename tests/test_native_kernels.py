@@ -79,8 +79,9 @@ def _close_to_float(got: torch.Tensor, want: torch.Tensor, k: int) -> bool:
 
 @needs_bf16
 @pytest.mark.parametrize("rows", [1, 3, 6, 7, 13, 64, 130])  # blocks of six rows and their remainders
-@pytest.mark.parametrize("n,k,bias", [(13, 64, False), (960, 576, False), (96, 32, True), (1000, 1536, True),
-                                      (70, 2, False)])
+# groups of 64 rows: 1 (split between threads by k), 15 and 9 (one group split), 2, 16 (split evenly)
+@pytest.mark.parametrize("n,k,bias", [(13, 64, False), (960, 576, False), (576, 1536, True), (96, 32, True),
+                                      (1000, 1536, True), (70, 2, False)])
 def test_linear_packed_matches_float_reference(rows, n, k, bias):
     g = torch.Generator().manual_seed(n + k + rows)
     x = torch.randn(rows, k, generator=g).bfloat16()
@@ -106,10 +107,12 @@ def test_packed_epilogues_match_torch_ops(rows):
     got = native.silu_mul(x, gate_up)
     assert got.shape == want.shape and (got.float() - want.float()).abs().max().item() <= 0.02 * want.abs().max().item()
     mod = native.load()
-    h = torch.randn(rows, 1536, generator=g).bfloat16()
-    down = (torch.randn(1536, 576, generator=g) / 24).bfloat16()
-    want = h + F.linear(x.float(), down.float()).bfloat16()
-    mod.linear_packed_add_(h, x, native.packed(down))
+    # the default model's down weight: 9 groups of 64 rows, so two threads each sum part of one
+    h = torch.randn(rows, 576, generator=g).bfloat16()
+    act = torch.randn(rows, 1536, generator=g).bfloat16()
+    down = (torch.randn(576, 1536, generator=g) / 40).bfloat16()
+    want = h + F.linear(act.float(), down.float()).bfloat16()
+    mod.linear_packed_add_(h, act, native.packed(down))
     assert (h.float() - want.float()).abs().max().item() <= 0.02 * want.abs().max().item()
 
 
@@ -261,6 +264,14 @@ def test_paged_prefill_matches_dense_causal(chunks, block_size):
         scores = scores.masked_fill(torch.arange(ctx)[None, None, :] > pos[None, :, None], float("-inf"))
         want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
         assert (got[s:e] - want).abs().max().item() <= 2e-2
+
+
+def test_read_pass_reads_every_value():
+    """The memory probe of ``bench engine`` reads (and sums) the whole buffer."""
+    x = torch.arange(64 * 1000, dtype=torch.float32) % 7
+    assert native.load().read_pass(x) == pytest.approx(x.sum().item())
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        native.load().read_pass(torch.ones(100))
 
 
 def test_kernels_let_other_threads_run():

@@ -26,6 +26,9 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, st
 void linear_packed_add_(torch::Tensor y, torch::Tensor x, torch::Tensor packed);
 // silu(x @ gate.T) * (x @ up.T) with the gate_up weight packed kOrderGateUp: [M, I] bf16.
 torch::Tensor silu_mul_packed(torch::Tensor x, torch::Tensor packed);
+// Reads every byte of t once (256 bytes a step, asked into L2 ahead as the products do) and
+// returns a sum of them: the memory probe of `aserve bench engine`.
+double read_pass(torch::Tensor t);
 // Decode attention reading K/V in place from the block pool: q [B, H, D] -> [B, H, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                            torch::Tensor ctx_lens, double scale);

@@ -215,6 +215,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TORCH_CHECK(paged_prefill_bf16(q, k, v, seqs, tables, scale, out), "paged_prefill: bf16, head size 32/64/128");
     return out;
   }, "causal attention of prompt chunks over the pool (CPU, bf16)", no_gil);
+  m.def("read_pass", &read_pass, "read a tensor once, as the products stream weights (memory probe)", no_gil);
   m.def("has_bf16_linear", &has_bf16_linear, "whether this build has the AVX512-BF16 products");
   m.attr("ORDER_PLAIN") = kOrderPlain;
   m.attr("ORDER_GATE_UP") = kOrderGateUp;
