@@ -9,7 +9,10 @@
 - roofline: weight bytes / memory read bandwidth measured in this run, against the batch-1
   step. A decode step only reads weights (and a little KV), so the roofline uses what the
   machine reads per second (``read_bandwidth``); the copy bandwidth STREAM-style probes report
-  (read + write counted) is measured and printed beside it, with the ratio it would give.
+  (read + write counted) is measured and printed beside it, with the ratio it would give. On a
+  shared machine memory speed drifts within minutes (the read probe gave 27 and 46 GB/s in two
+  runs an hour apart), so the step and the probes are measured in interleaved rounds and the
+  ratio is the median of the rounds' own ratios; every round is in the JSON.
 """
 from __future__ import annotations
 
@@ -110,6 +113,23 @@ def read_bandwidth(device: str, nbytes: int = 1 << 30, rounds: int = 3) -> float
     return best
 
 
+def bench_roofline(runner, blocks, device: str, wbytes: int, rounds: int, ctx: int, reps: int, nbytes: int) -> dict:
+    """The batch-1 decode step (``ctx`` tokens of context) against the weight-read roofline, in
+    ``rounds`` rounds of: the step's median over ``reps``, a read pass, a copy. Each round's ratio
+    compares figures taken within a second of each other; the result is the rounds' median."""
+    got = []
+    for _ in range(rounds):
+        step_ms = bench_decode(runner, blocks, device, (1,), ctx, reps)[1]["step_ms"]
+        read, copy = read_bandwidth(device, nbytes, rounds=1), copy_bandwidth(device, nbytes, rounds=1)
+        got.append({"step_ms": step_ms, "read_gb_s": read / 1e9, "copy_gb_s": copy / 1e9,
+                    "vs_roofline": step_ms / (wbytes / read * 1000), "vs_copy_roofline": step_ms / (wbytes / copy * 1000)})
+    read = statistics.median(r["read_gb_s"] for r in got) * 1e9
+    return {"roofline_rounds": got, "memory_bandwidth_gb_s": read / 1e9, "roofline_decode_step_ms": wbytes / read * 1000,
+            "decode_step_vs_roofline": statistics.median(r["vs_roofline"] for r in got),
+            "copy_bandwidth_gb_s": statistics.median(r["copy_gb_s"] for r in got),
+            "decode_step_vs_copy_roofline": statistics.median(r["vs_copy_roofline"] for r in got)}
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     # tied embeddings are read once per step, by the LM head; RoPE tables are buffers, not weights
     return sum(p.numel() * p.element_size() for p in model.parameters())
@@ -157,22 +177,17 @@ def run_engine_bench(cfg: EngineConfig, json_path: str | None, quick: bool = Fal
         prefill = bench_prefill(runner, blocks, cfg.device, sizes, reps)
     with console.status("decode steps"):
         decode = bench_decode(runner, blocks, cfg.device, batches, 128 if quick else 512, reps * 2)
-    with console.status("memory bandwidth"):
-        bw = read_bandwidth(cfg.device, 1 << 28 if quick else 1 << 30)
-        copy_bw = copy_bandwidth(cfg.device, 1 << 28 if quick else 1 << 30)
     wbytes = weight_bytes(bundle.model)
-    roof_ms = wbytes / bw * 1000
+    with console.status("batch-1 step against memory bandwidth, interleaved"):
+        roof = bench_roofline(runner, blocks, cfg.device, wbytes, 2 if quick else 5, 128 if quick else 512, reps * 2,
+                              1 << 28 if quick else 1 << 30)
     with console.status("generate: transformers vs aserve"):
         gen = bench_generate(bundle, cfg, *((4, 32, 16) if quick else (32, 128, 128)))
     result = {
         "machine": _machine(cfg.device), "date": date.today().isoformat(), "device": cfg.device,
         "dtype": str(bundle.dtype).removeprefix("torch."), "attention": pick_backend(cfg.attention, cfg.device), "threads": torch.get_num_threads(),
         "model": str(bundle.path.name), "prefill": prefill["chunks"], "saturate_chunk": prefill["saturate_chunk"],
-        "decode": decode, "memory_bandwidth_gb_s": bw / 1e9, "weight_bytes": wbytes,
-        "roofline_decode_step_ms": roof_ms, "decode_step_vs_roofline": decode[1]["step_ms"] / roof_ms,
-        "copy_bandwidth_gb_s": copy_bw / 1e9,
-        "decode_step_vs_copy_roofline": decode[1]["step_ms"] / (wbytes / copy_bw * 1000),
-        **gen,
+        "decode": decode, "weight_bytes": wbytes, **roof, **gen,
     }
     _print(console, result)
     if not quick:
@@ -205,6 +220,13 @@ def _print(console: Console, r: dict) -> None:
     t.add_column("batch"), t.add_column("step ms", justify="right"), t.add_column("tokens/s", justify="right")
     for b, v in r["decode"].items():
         t.add_row(str(b), f"{v['step_ms']:.1f}", f"{v['tokens_per_s']:.0f}")
+    console.print(t)
+    t = Table(title="batch-1 step against the weight-read roofline, interleaved rounds")
+    for c in ("step ms", "read GB/s", "x roofline", "copy GB/s", "x copy roofline"):
+        t.add_column(c, justify="right")
+    for x in r["roofline_rounds"]:
+        t.add_row(f"{x['step_ms']:.2f}", f"{x['read_gb_s']:.1f}", f"{x['vs_roofline']:.2f}", f"{x['copy_gb_s']:.1f}",
+                  f"{x['vs_copy_roofline']:.2f}")
     console.print(t)
     t = Table(title="side by side")
     t.add_column("figure"), t.add_column("value", justify="right")
