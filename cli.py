@@ -52,6 +52,10 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
     g.add_argument("--predictor-mode", default="parallel",
                    help="parallel: beside the prefill, awaited at the KV handoff | "
                         "sequential: before the prefill (adds to TTFT)")
+    g.add_argument("--predictor-features", default="auto",
+                   help="auto | prefill | prompt: where a predictor whose backbone is the served model (lm) "
+                        "gets its features: the request's own prefill (auto: where it can, disagg + parallel) "
+                        "or its own pass over the prompt")
     g.add_argument("--predictor-timeout", type=float, default=0.5,
                    help="seconds a prediction may take; past them the request goes on without one (counted)")
     g.add_argument("--predictor-option", action="append", default=[], metavar="KEY=VALUE",
@@ -89,6 +93,7 @@ def cluster_config(a: argparse.Namespace):
                          chunk_size=chunk, pad=not a.no_pad, dispatch=a.dispatch, decode_policy=a.decode_policy,
                          preemption=a.preemption, predictor=a.predictor, predictor_granularity=a.predictor_granularity,
                          predictor_mode=a.predictor_mode, predictor_timeout_s=a.predictor_timeout,
+                         predictor_features=a.predictor_features,
                          predictor_options=parse_options(a.predictor_option, "predictor-option"),
                          predictor_path=a.predictor_path, predictor_labels=a.predictor_labels,
                          predictor_prompts=a.predictor_prompts, link=a.link, emulate_model=a.emulate_model,

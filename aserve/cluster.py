@@ -85,7 +85,8 @@ class Cluster(LifecycleMixin):
             self.bundle = await asyncio.to_thread(ModelBundle.load, self.engine)
         self.stops = StopChecker(self.bundle.tokenizer, self.bundle.eos_token_ids)
         # loading (or fitting, the first time) a predictor takes seconds: off the loop
-        await asyncio.to_thread(self.predictor.load, self.bundle.tokenizer.decode)
+        await asyncio.to_thread(self.predictor.load, self.bundle.tokenizer.decode, (self.engine.model, self.bundle.path),
+                                self._prediction_gate() == "handoff")
         roles = (["prefill"] * self.cfg.num_prefill + ["decode"] * self.cfg.num_decode
                  if self.cfg.mode == "disagg" else ["coupled"] * self.cfg.num_coupled)
         threads = self._threads_per_instance(len(roles))

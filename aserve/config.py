@@ -48,6 +48,7 @@ class EngineConfig:
 
 
 MODES = ("disagg", "coupled")
+PREDICTOR_FEATURES = ("auto", "prefill", "prompt")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,10 @@ class ClusterConfig:
     predictor_granularity: int = 200  # bucket width, tokens: 100 | 200 | 400
     predictor_mode: str = "parallel"  # parallel: beside the prefill | sequential: before it (adds to TTFT)
     predictor_timeout_s: float = 0.5  # a prediction not ready by then: the request goes on without one
+    # auto: a predictor whose backbone is the served model's first layers (lm) reads them from the
+    # request's own prefill where it can (disagg, parallel; the prompt as it was trained on) | prefill:
+    # the same, an error where it cannot | prompt: always runs its backbone on the prompt itself
+    predictor_features: str = "auto"
     predictor_options: tuple = ()  # backend keyword arguments, (key, value) pairs (a dict is accepted)
     predictor_path: Optional[str] = None  # a saved predictor folder; default: the cached artefact, or fit one
     predictor_labels: Optional[str] = None  # labels to fit on when no artefact exists (default: the committed set)
@@ -139,6 +144,12 @@ class ClusterConfig:
                              f"choose one of {', '.join(map(str, GRANULARITIES))}")
         if self.predictor_mode not in PREDICTOR_MODES:
             raise ValueError(f"bad predictor_mode {self.predictor_mode!r}: choose one of {', '.join(PREDICTOR_MODES)}")
+        if self.predictor_features not in PREDICTOR_FEATURES:
+            raise ValueError(f"bad predictor_features {self.predictor_features!r}: "
+                             f"choose one of {', '.join(PREDICTOR_FEATURES)}")
+        if self.predictor_features == "prefill" and not (self.mode == "disagg" and self.predictor_mode == "parallel"):
+            raise ValueError("predictor_features 'prefill' needs mode 'disagg' and predictor_mode 'parallel': the "
+                             "features come from the prefill, which the prediction must not wait for")
         if not self.predictor_timeout_s > 0:
             raise ValueError(f"predictor_timeout_s must be > 0, got {self.predictor_timeout_s}")
         try:

@@ -170,6 +170,8 @@ class Instance:
                 await self._idle()
                 continue
             out = await self._run(self._chunk_step(plan))
+            if out.features:  # before the handoff, which waits for the range they give
+                self.cluster.predictor.feed(out.features)
             self.num_prefill_tokens += plan.num_real_tokens
             self.num_pad_tokens += plan.num_pad_tokens
             now = self.cluster.clock.now()
@@ -181,14 +183,17 @@ class Instance:
                 self.cluster.on_prefill_done(self, req)
 
     def _chunk_step(self, plan: ChunkPlan) -> StepInput:
-        seqs = []
+        seqs, tap_layer = [], 0
         finishing = set(plan.finishing_ids)
         for s in plan.slices:
             req = self.prefill._requests[s.request_id]
             req.times.setdefault("scheduled", self.cluster.clock.now())
+            last = s.request_id in finishing
+            tap = last and req.feature_layer > 0  # the length predictor reads the prompt's last token
+            tap_layer = max(tap_layer, req.feature_layer if tap else 0)
             seqs.append(SeqWork(s.request_id, tuple(req.prompt_token_ids[s.start:s.end]), s.start,
-                                plan.block_ids[s.request_id], spec_for(req) if s.request_id in finishing else None))
-        return StepInput(tuple(seqs), num_pad_tokens=plan.num_pad_tokens)
+                                plan.block_ids[s.request_id], spec_for(req) if last else None, tap))
+        return StepInput(tuple(seqs), num_pad_tokens=plan.num_pad_tokens, tap_layer=tap_layer)
 
     # ---- decode ----------------------------------------------------------------------------
     async def _decode_loop(self) -> None:

@@ -7,6 +7,12 @@
       sequential: the request waits for its range before it enters the prefill queue (adds to TTFT)
       coupled:    the range is on the request before the coupled scheduler sees it when the batching
                   policy reads predictions (alise); vllm and sarathi do not wait (it is only scored)
+      prefill features: a backend whose backbone is the served model's first layers (lm) does not
+                  run them again where the served prefill computes them: at submit, a request whose
+                  prompt ids are exactly what the backbone would read (its text as one chat turn,
+                  within the backbone's token cut) is marked (``Request.feature_layer``); its prompt's
+                  last chunk returns that token's state after those layers (``feed``), and the head
+                  answers at once, before the handoff. Other requests take the path above.
     _finish ─finish()─► score (a hit: the actual length's bucket is the predicted one, the last
                         bucket open-ended up to max_tokens) and observe (on the predictor thread:
                         retrieval adds the request to its index, the backends' online learning)
@@ -96,6 +102,7 @@ class _Job:
     future: asyncio.Future  # -> _Outcome (never an exception: nobody has to retrieve one)
     view: Optional[Request] = None  # what the backend saw (set once the thread answered)
     settled: bool = False  # the outcome reached the request (or the timeout did)
+    from_prefill: bool = False  # answered by ``feed`` from the prefill's features
 
 
 # ---- the online predictor -----------------------------------------------------------------------
@@ -116,16 +123,29 @@ class OnlinePredictor:
         self.counts = {"predictions": 0, "scored": 0, "hits": 0, "observed": 0, "observe_errors": 0,
                        **{f"fallback_{r}": 0 for r in FALLBACK_REASONS}}
         self.last_error: Optional[str] = None
+        self.feature_layer = 0  # > 0: features from the served prefill after this many layers
+        self.counts["from_prefill"] = 0
 
-    def load(self, decode: Optional[Callable[[list[int]], str]] = None) -> None:
+    def load(self, decode: Optional[Callable[[list[int]], str]] = None, served_model: Optional[tuple] = None,
+             at_handoff: bool = False) -> None:
         """Build the backend (loading, maybe fitting: seconds). ``decode`` turns prompt ids into
-        text for requests that come without it."""
+        text for requests that come without it; ``served_model`` (the served model's name and
+        checkpoint folder) and ``at_handoff`` (predictions are awaited at the KV handoff, after
+        the prefill) decide whether the backend can read its features from the prefill
+        (``predictor_features``)."""
         self._decode = decode
         cfg = self.cfg
         self.backend = load_for_serving(cfg.predictor, cfg.predictor_granularity, dict(cfg.predictor_options),
                                         cfg.predictor_path, cfg.predictor_labels, cfg.predictor_prompts)
         if self.backend is not None and not self.backend.inline:
             self.backend.mode = "parallel"  # its own thread, whatever mode the artefact was saved in
+        if self.backend is not None and cfg.predictor_features != "prompt" and served_model is not None and at_handoff:
+            self.feature_layer = self.backend.feature_layer(*served_model)
+        if self.feature_layer:  # the tokenizer the submit-time check needs, loaded here, off the loop
+            self.backend.feature_ids(Request("warm-up", [1], prompt_text="warm-up"))
+        if cfg.predictor_features == "prefill" and not self.feature_layer:
+            raise ValueError(f"predictor_features 'prefill': the {cfg.predictor!r} predictor's backbone is not the "
+                             f"served model's first layers, so the prefill has no features for it")
 
     def close(self) -> None:
         """Stop the predictor thread after the work queued on it (blocks: call it off the loop)."""
@@ -140,6 +160,10 @@ class OnlinePredictor:
         self._loop = asyncio.get_running_loop()
         job = _Job(req, self._loop.time(), self._loop.create_future())
         self._jobs[req.request_id] = job
+        if self.feature_layer and self._reads_as_trained(req):
+            job.from_prefill = True
+            req.feature_layer = self.feature_layer  # the prefill's last chunk returns the features (feed)
+            return
         if self.backend.inline:  # none / oracle: microseconds, no thread hop
             try:
                 outcome = _Outcome(self.backend.predict([req])[0])
@@ -150,6 +174,30 @@ class OnlinePredictor:
         self._queue.append(job)
         if len(self._queue) == 1:
             self._loop.call_soon(self._flush)
+
+    def _reads_as_trained(self, req: Request) -> bool:
+        """Whether ``req``'s prompt ids are what the backbone reads for its text (then the served
+        prefill's state at its last token is the backend's feature): one tokenisation on the loop."""
+        try:
+            return self.backend.feature_ids(prompt_view(req, self._decode)) == req.prompt_token_ids
+        except Exception:  # noqa: BLE001 - no text, a template that refuses it: the usual path
+            return False
+
+    def feed(self, features: dict) -> None:
+        """The prefill's features ({request_id: [hidden]}) of requests marked at ``start``: the head
+        answers each at once (a small MLP, on the loop), so the handoff finds its range ready."""
+        for rid, vec in features.items():
+            job = self._jobs.get(rid)
+            if job is None or not job.from_prefill or job.future.done():
+                continue  # a re-run's second prefill, or nobody waits
+            job.start = self._loop.time()  # the prediction starts when its input exists
+            try:
+                job.view = prompt_view(job.request, self._decode)
+                outcome = _Outcome(self.backend.predict_features(vec.numpy()[None, :], [job.view])[0])
+                self.counts["from_prefill"] += 1
+            except Exception as e:  # noqa: BLE001
+                outcome = _failure(e)
+            self._answer(job, outcome, self._loop.time())
 
     def _flush(self) -> None:
         while self._queue:
@@ -293,4 +341,6 @@ class OnlinePredictor:
                 "hits": c["hits"], "scored": c["scored"],
                 "accuracy": c["hits"] / c["scored"] if c["scored"] else None,
                 "latency_p50_s": latency["p50_s"], "latency": latency, "in_flight": len(self._jobs),
-                "observed": c["observed"], "observe_errors": c["observe_errors"], "last_error": self.last_error}
+                "observed": c["observed"], "observe_errors": c["observe_errors"], "last_error": self.last_error,
+                "features": f"prefill (layer {self.feature_layer})" if self.feature_layer else "prompt",
+                "from_prefill": c["from_prefill"]}

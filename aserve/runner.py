@@ -26,6 +26,7 @@ class SeqWork:
     start_pos: int
     block_ids: tuple[int, ...]  # the request's blocks covering start_pos + len(token_ids)
     spec: Optional[SampleSpec] = None  # None: no token is sampled (a prefill chunk mid-prompt)
+    tap: bool = False  # return this sequence's last token's features (StepInput.tap_layer)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class StepInput:
     want_logits: bool = False  # return the sampled rows' logits too (tests, parity checks)
     swap_out: tuple[tuple[int, int], ...] = ()  # (device block, host block), copied before the forward
     swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block), after swap_out
+    tap_layer: int = 0  # > 0: the tapped sequences' last-token hidden states after this many layers
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class StepOutput:
     forward_s: float
     num_tokens: int
     logits: Optional[dict[str, torch.Tensor]] = field(default=None, repr=False)
+    features: Optional[dict[str, torch.Tensor]] = field(default=None, repr=False)  # tapped, float32 [hidden]
 
 
 class ModelRunner:
@@ -65,7 +68,14 @@ class ModelRunner:
         if not step.seqs:
             return StepOutput({}, time.perf_counter() - t0, 0)
         ids, positions, meta, sample_rows, sample_specs, sample_ids = self._prepare(step)
-        hidden = self.model(ids, positions, meta, self.kv.pool)  # [T, hidden]
+        tap_rows, tap_ids = self._tap_rows(step)
+        features = None
+        if tap_rows:
+            hidden, taps = self.model.forward_tapped(ids, positions, meta, self.kv.pool, step.tap_layer,
+                                                     self._long(tap_rows))
+            features = dict(zip(tap_ids, taps.float().cpu()))
+        else:
+            hidden = self.model(ids, positions, meta, self.kv.pool)  # [T, hidden]
         sampled, logits_out = {}, None
         if sample_rows:
             # a decode-only step samples every row in order: no gather (a batch-1 step is ~10 ms)
@@ -78,7 +88,20 @@ class ModelRunner:
                 logits_out = {rid: logits[i].cpu() for i, rid in enumerate(sample_ids)}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepOutput(sampled, time.perf_counter() - t0, ids.shape[0], logits_out)
+        return StepOutput(sampled, time.perf_counter() - t0, ids.shape[0], logits_out, features)
+
+    def _tap_rows(self, step: StepInput) -> tuple[list[int], list[str]]:
+        """The step rows of the tapped sequences' last tokens, in the order ``_prepare`` lays
+        sequences out (chunks first, then decode rows); none unless the model can tap."""
+        if not step.tap_layer or not hasattr(self.model, "forward_tapped"):
+            return [], []
+        rows, ids, row = [], [], 0
+        for s in sorted(step.seqs, key=lambda s: len(s.token_ids) == 1):  # stable: chunks, then decodes
+            row += len(s.token_ids)
+            if s.tap:
+                rows.append(row - 1)
+                ids.append(s.request_id)
+        return rows, ids
 
     def _swap(self, step: StepInput) -> None:
         """Swap-outs first, then swap-ins (a block freed by a swap-out may be reused at once).

@@ -5,6 +5,8 @@ per-op overhead of a small model is a real share of a decode step.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -79,15 +81,29 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttentionMeta, kv: torch.Tensor) -> torch.Tensor:
         # kv: the pool [L, 2, num_blocks, block_size, H_kv, D]
+        return self.forward_tapped(input_ids, positions, meta, kv)[0]
+
+    def forward_tapped(self, input_ids, positions, meta: AttentionMeta, kv: torch.Tensor, tap_layer: int = 0,
+                       tap_rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``forward``, and ``tap_rows``' hidden states after ``tap_layer`` layers through the final
+        norm ([R, hidden]: what the first ``tap_layer`` layers as a model of their own output, the
+        ``lm`` length predictor's features; None when no tap is asked)."""
+        if tap_layer and not 0 < tap_layer <= len(self.layers):
+            raise ValueError(f"tap_layer must be in 1..{len(self.layers)}, got {tap_layer}")
         x = self.embed(input_ids)  # [T, hidden]
         if self._native_step(x, meta):
             cos, sin = self.rope.cos[positions].float(), self.rope.sin[positions].float()
-            return native.llama_forward(x, cos, sin, self._step_weights(), self.norm.weight, kv, meta,
-                                        self.args.num_heads, self.args.norm_eps, self.layers[0].attn.scale)
+            hidden, taps = native.llama_forward(x, cos, sin, self._step_weights(), self.norm.weight, kv, meta,
+                                                self.args.num_heads, self.args.norm_eps, self.layers[0].attn.scale,
+                                                tap_layer, tap_rows)
+            return hidden, taps if tap_layer else None
         rope = self.rope.tables(positions, x.dtype)
+        taps = None
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, meta, kv[i])
-        return self.norm(x)
+            if i + 1 == tap_layer:
+                taps = self.norm(x[tap_rows])
+        return self.norm(x), taps
 
     def _native_step(self, x: torch.Tensor, meta: AttentionMeta) -> bool:
         """Whether this step can run as one ``native.llama_forward`` call: the native backend,

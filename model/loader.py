@@ -68,6 +68,15 @@ def resolve_model(name: str, cache_dir: Path | None = None) -> Path:
     return path
 
 
+def same_model(a: str, b: str) -> bool:
+    """Whether two model names or paths (as ``resolve_model`` takes them) name one checkpoint,
+    without resolving (converting) either."""
+    def key(name: str) -> str:
+        return "default" if name in ("default", DEFAULT_MODEL) else str(Path(name).expanduser().resolve())
+
+    return key(str(a)) == key(str(b))
+
+
 def _bundled_folder(name: str, cache_dir: Path) -> Path:
     if _is_converted(cache_dir / name):  # already dequantised: the package is not needed any more
         return cache_dir / name

@@ -148,16 +148,20 @@ def step_weights(params: list) -> list:
 
 
 def llama_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: list, final_norm: torch.Tensor,
-                  kv: torch.Tensor, meta, num_heads: int, eps: float, scale: float) -> torch.Tensor:
+                  kv: torch.Tensor, meta, num_heads: int, eps: float, scale: float, tap_layer: int = 0,
+                  tap_rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole step through every layer (prompt chunks, decode tokens, pad rows): x [T, E] bf16
-    embeddings -> final-normed hidden [T, E]; ``weights`` as ``step_weights`` makes them;
-    ``meta`` is the step's ``AttentionMeta``."""
+    embeddings -> (final-normed hidden [T, E], taps [R, E]): the taps are ``tap_rows`` after
+    ``tap_layer`` layers through the final norm (empty unless asked); ``weights`` as
+    ``step_weights`` makes them; ``meta`` is the step's ``AttentionMeta``."""
     seqs, seq_tables = chunk_tables(meta.prefills)
     dec_tables, dec_lens = meta.decode_block_tables, meta.decode_ctx_lens
     if dec_tables is None:
         dec_tables, dec_lens = _NO_ROWS, _NO_ROWS[:, 0]
-    return load().llama_forward(x, cos, sin, weights, final_norm, kv, meta.slot_mapping, seqs, seq_tables, dec_tables,
-                                dec_lens, num_heads, eps, scale)
+    hidden, taps = load().llama_forward(x, cos, sin, weights, final_norm, kv, meta.slot_mapping, seqs, seq_tables,
+                                        dec_tables, dec_lens, num_heads, eps, scale, tap_layer,
+                                        _NO_ROWS[:, 0] if tap_rows is None else tap_rows)
+    return hidden, taps
 
 
 _NO_ROWS = torch.zeros(0, 3, dtype=torch.long)  # no chunk (as [P, 3]) or no decode row

@@ -180,6 +180,28 @@ class LengthPredictor(abc.ABC):
     def predict(self, requests: Sequence[Item]) -> list[LengthRange]:
         """One ``LengthRange`` per request, in order."""
 
+    # ---- features from the served model's own prefill (see aserve/online_predictor.py) --------------
+    def feature_layer(self, served_model: str, served_path: Path | str) -> int:
+        """How many layers of the served model (named ``served_model``, its checkpoint folder at
+        ``served_path``) yield this predictor's
+        features: its backbone is the served model's first layers, so the served prefill can hand
+        them over (``predict_features``) instead of the predictor running them again. 0: not so."""
+        return 0
+
+    def feature_ids(self, request: Item) -> list[int]:
+        """The token ids this predictor's backbone reads for ``request`` (for ``feature_layer``
+        predictors): the served prompt's features are its features only when they are these ids."""
+        raise NotImplementedError
+
+    def backbone_features(self, requests: Sequence[Item]) -> np.ndarray:
+        """The backbone's features [n, hidden] of ``requests``, computed here (what the served
+        prefill would hand over; for ``feature_layer`` predictors)."""
+        raise NotImplementedError
+
+    def predict_features(self, features: np.ndarray, requests: Sequence[Item]) -> list[LengthRange]:
+        """``predict`` from the backbone's features [n, hidden] (for ``feature_layer`` predictors)."""
+        raise NotImplementedError
+
     def observe(self, request: Item, actual_length: int) -> None:
         """A request finished with ``actual_length`` output tokens; online backends learn from it."""
 

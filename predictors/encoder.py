@@ -77,6 +77,21 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
+def backbone_ids(tokenizer, text: str, chat_template: bool, max_tokens: int) -> list[int]:
+    """The ids a backbone sees for ``text``: wrapped as one user turn of the chat template when
+    asked, else with the tokenizer's special tokens; cut to ``max_tokens``, head and tail."""
+    if chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = tokenizer.encode(text, add_special_tokens=True)
+    if len(ids) > max_tokens:
+        head = max_tokens // 2
+        ids = ids[:head] + ids[len(ids) - (max_tokens - head):]
+    return ids
+
+
 class TextEncoder:
     """Prompt texts -> pooled hidden states ``[n, hidden]`` (float32 numpy)."""
 
@@ -111,16 +126,7 @@ class TextEncoder:
 
     def token_ids(self, text: str) -> list[int]:
         """The ids the backbone sees: chat template when asked, special tokens, head+tail cut."""
-        if self.chat_template:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                      add_generation_prompt=True, tokenize=False)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = self.tokenizer.encode(text, add_special_tokens=True)
-        if len(ids) > self.max_tokens:
-            head = self.max_tokens // 2
-            ids = ids[:head] + ids[len(ids) - (self.max_tokens - head):]
-        return ids
+        return backbone_ids(self.tokenizer, text, self.chat_template, self.max_tokens)
 
     @torch.inference_mode()
     def _forward(self, batch: list[list[int]]) -> np.ndarray:

@@ -19,6 +19,9 @@ Output (``aserve predictor eval --json FILE``)::
   main model). ``cpu_ms_p50``: the calling thread's CPU time per single prediction, which
   stays honest when other work shares the cores (wall time then includes waiting for one).
   ``none`` answers the full range, reported as the last bucket.
+- ``from_prefill_latency_ms_p50/p99`` (``lm`` on the default model): one prediction when the
+  served prefill hands the predictor its backbone's features (the head alone; the server does
+  this for chat requests, aserve/online_predictor.py).
 - ``memory_mb``: what the predictor holds (weights, vectorisers, index), not the process;
   ``rss_delta_mb``: the process's resident-set growth while loading and warming it up.
 - ``prefill_overlap`` (top level, with ``prefill_overlap=True``; measured once, at granularity
@@ -111,6 +114,29 @@ def latency_ms(predictor: LengthPredictor, requests: Sequence[Request], batch_si
             "latency_ms_per_request_batched": round(float(sum(batches) / len(timed)), 3)}
 
 
+def from_prefill_latency_ms(predictor: LengthPredictor, requests: Sequence[Request], samples: int) -> dict:
+    """For a backend whose backbone is the served (default) model's first layers (``lm``): the
+    time per prediction when the served prefill hands it the features (the server's ``prefill
+    features`` path: the head alone, one request at a time, on the backbone's real features of
+    up to ``samples`` test prompts). Empty for other backends."""
+    from model.loader import DEFAULT_MODEL, resolve_model
+
+    if type(predictor).feature_layer is LengthPredictor.feature_layer:  # never: no model to resolve
+        return {}
+    if not predictor.feature_layer(DEFAULT_MODEL, resolve_model(DEFAULT_MODEL)):
+        return {}
+    timed = list(requests[:samples])
+    feats = predictor.backbone_features(timed)
+    predictor.predict_features(feats[:1], timed[:1])  # warm-up
+    single = []
+    for i, r in enumerate(timed):
+        start = time.perf_counter()
+        predictor.predict_features(feats[i:i + 1], [r])
+        single.append((time.perf_counter() - start) * 1e3)
+    return {"from_prefill_latency_ms_p50": round(float(np.percentile(single, 50)), 3),
+            "from_prefill_latency_ms_p99": round(float(np.percentile(single, 99)), 3)}
+
+
 def score(predictor: LengthPredictor, test: Sequence[Example], train: Sequence[Example], buckets: Buckets) -> dict:
     """Accuracy, the majority baseline, within-one-bucket accuracy and MAE over the test rows."""
     requests = to_requests(test, buckets.max_length)
@@ -176,6 +202,7 @@ def _evaluate(backend, prompts, labels, granularities, model_dir, retrain, optio
         if stats is not None:
             row["answers"] = dict(stats)  # e.g. retrieval: neighbours vs MLP fallback, over the test set
         row.update(latency_ms(predictor, to_requests(data.test, data.max_length), batch_size, latency_samples))
+        row.update(from_prefill_latency_ms(predictor, to_requests(data.test, data.max_length), latency_samples))
         row["memory_mb"] = round(predictor.memory_bytes() / 2**20, 2)
         row["rss_delta_mb"] = round(_rss_mb() - rss0, 1)
         row["trained"] = how

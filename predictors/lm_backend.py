@@ -66,7 +66,7 @@ class LMPredictor(LengthPredictor):
         self.device = device
         self.head_cfg = HeadConfig(width=head_width, epochs=epochs, seed=seed)
         self.mode = mode
-        self._encoder, self.head = None, None
+        self._encoder, self.head, self._tokenizer, self._served_path = None, None, None, None
 
     def config(self) -> dict:
         return {**super().config(), "model": self.model, "num_layers": self.num_layers, "max_tokens": self.max_tokens,
@@ -113,7 +113,41 @@ class LMPredictor(LengthPredictor):
         if not requests:
             return []
         pairs = [prompt_of(r) for r in requests]
-        x = self._inputs([p[0] for p in pairs], np.array([p[1] for p in pairs]), None)
+        return self._ranges(self._inputs([p[0] for p in pairs], np.array([p[1] for p in pairs]), None), requests)
+
+    # ---- features from the served prefill: the backbone is the served model's first layers ---------
+    def feature_layer(self, served_model: str, served_path) -> int:
+        """``num_layers`` when the backbone is the served model itself (last-token pooling, chat
+        template: what a served chat prompt's prefill computes at its last token), else 0."""
+        from model.loader import read_config, same_model
+
+        if self.pooling != "last" or not self.chat_template or not same_model(self.model, served_model):
+            return 0
+        self._served_path = Path(served_path)  # its tokenizer, already on disk: nothing converted twice
+        total = int(read_config(self._served_path).get("num_hidden_layers", 0))
+        return min(self.num_layers, total) if self.num_layers else total
+
+    def feature_ids(self, request: Item) -> list[int]:
+        from predictors.encoder import backbone_ids
+
+        if self._tokenizer is None:  # the tokenizer alone: the check must not load the backbone
+            from transformers import AutoTokenizer
+            from model.loader import resolve_model
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._served_path or resolve_model(self.model))
+            self._tokenizer.model_max_length = 1 << 30
+        return backbone_ids(self._tokenizer, prompt_of(request)[0], True, self.max_tokens)
+
+    def backbone_features(self, requests: Sequence[Item]) -> np.ndarray:
+        return self.encoder.encode([prompt_of(r)[0] for r in requests])
+
+    def predict_features(self, features: np.ndarray, requests: Sequence[Item]) -> list[LengthRange]:
+        self._check_fitted(self.head is not None)
+        tokens = np.array([prompt_of(r)[1] for r in requests])
+        x = np.hstack([np.asarray(features, dtype=np.float32), np.log1p(tokens)[:, None]]).astype(np.float32)
+        return self._ranges(x, requests)
+
+    def _ranges(self, x: np.ndarray, requests: Sequence[Item]) -> list[LengthRange]:
         probs = self.head.probs(x)
         best = probs.argmax(1)
         return [self.buckets.to_range(int(b), float(probs[i, b]), max_tokens_of(r))

@@ -125,3 +125,35 @@ def test_padding_tokens_change_nothing():
     assert padded.shape[0] == len(ids) + 12
     assert (plain - padded[:len(ids)]).abs().max().item() <= 1e-5
     blocks.free(b)
+
+
+@pytest.mark.parametrize("backend,dtype", [("reference", torch.float32), ("native", torch.bfloat16)])
+def test_tapped_features_are_a_truncated_models_output(backend, dtype):
+    """``forward_tapped(tap_layer=k)`` gives, at the tapped rows, what the first k layers as a model
+    of their own output (transformers' LlamaModel cut to k layers, final norm included): the ``lm``
+    length predictor's features, read from the served prefill. fp32: to 1e-4; bf16 (the one-call
+    C++ step, head size 32): within bf16 rounding of the fp32 figure."""
+    from transformers import AutoConfig, AutoModel
+
+    cfg = dict(LLAMA, hidden_size=128, num_hidden_layers=3)  # head size 32: the bf16 kernels' layouts
+    hf = hf_model(cfg)
+    model = ours(cfg, hf, dtype, backend)
+    runner, blocks = make_runner(model)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(0, 128, (21,), generator=g).tolist(), torch.randint(0, 128, (9,), generator=g).tolist()
+    ta, tb = [], []
+    blocks.grow(ta, len(a))
+    blocks.grow(tb, len(b))
+    step = StepInput((SeqWork("a", tuple(a), 0, tuple(ta), None, True), SeqWork("b", tuple(b), 0, tuple(tb), None, True)),
+                     tap_layer=2)
+    feats = runner.execute(step).features
+    conf = AutoConfig.for_model(**dict(cfg, num_hidden_layers=2))
+    conf._attn_implementation = "eager"
+    cut = AutoModel.from_config(conf).eval()
+    cut.load_state_dict({k.removeprefix("model."): v for k, v in hf.state_dict().items()
+                         if k.startswith("model.") and not k.startswith("model.layers.2.")})
+    with torch.no_grad():
+        for rid, ids in (("a", a), ("b", b)):
+            want = cut(torch.tensor([ids])).last_hidden_state[0, -1]
+            tol = 1e-4 if dtype is torch.float32 else 2 ** -6 * want.abs().max().item()
+            assert (feats[rid] - want).abs().max().item() <= tol

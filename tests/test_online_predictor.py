@@ -196,6 +196,52 @@ def test_cached_artefact_is_loaded_the_second_time(bundle, pool, data, capsys):
     assert "loaded from" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_lm_reads_its_features_from_the_served_prefill(bundle, pool, data):
+    """lm's backbone is the served model's first 16 layers: a chat request's prefill hands over the
+    prompt's last-token state after them and the head answers before the handoff, the backbone
+    never running on those prompts; a prompt the backbone would read differently (no chat
+    template) takes the usual path. Every request has its range before the decode scheduler."""
+    prompts = short_prompts(pool, 4)
+    cfg = ClusterConfig(predictor="lm", predictor_granularity=100, predictor_timeout_s=30, **data, **DISAGG)
+
+    async def main():
+        async with Cluster(engine(), cfg, bundle=bundle) as cl:
+            seen = spy_on_entry(cl)
+            reqs = await run(cl, prompts)  # chat-templated ids, half of them with their text
+            raw = cl.submit(cl.bundle.encode(prompts[0]), SP, request_id="raw", prompt_text=prompts[0])
+            async for _ in cl.stream(raw):
+                pass
+            return reqs + [raw.request], seen, cl.predictor.snapshot()
+
+    encoder_runs = []
+    from predictors.lm_backend import LMPredictor
+
+    real_inputs = LMPredictor._inputs
+    LMPredictor._inputs = lambda self, texts, *a: encoder_runs.append(len(texts)) or real_inputs(self, texts, *a)
+    try:
+        reqs, seen, snap = asyncio.run(main())
+    finally:
+        LMPredictor._inputs = real_inputs
+    assert snap["features"] == "prefill (layer 16)"
+    assert snap["from_prefill"] == 4 and snap["predictions"] == 5 and snap["fallbacks"] == 0
+    assert len(encoder_runs) == 2 and encoder_runs[1] == 1  # fitting on the train split, then the raw prompt
+    assert all(seen[r.request_id] is not None and seen[r.request_id] == r.predicted for r in reqs)
+    assert [r.feature_layer for r in reqs] == [16, 16, 16, 16, 0]
+
+
+def test_prefill_features_need_a_backbone_that_is_the_served_model(tmp_path):
+    with pytest.raises(ValueError, match="bad predictor_features 'layer'"):
+        ClusterConfig(predictor_features="layer")
+    with pytest.raises(ValueError, match="needs mode 'disagg' and predictor_mode 'parallel'"):
+        ClusterConfig(mode="coupled", predictor="lm", predictor_features="prefill")
+    online = OnlinePredictor(ClusterConfig(predictor="oracle", predictor_features="prefill"))
+    with pytest.raises(ValueError, match="backbone is not the served model's first layers"):
+        online.load(served_model=("default", tmp_path), at_handoff=True)
+    assert cli.cluster_config(cli.build_parser().parse_args(
+        ["serve", "--predictor-features", "prompt"])).predictor_features == "prompt"
+
+
 class Broken(LengthPredictor):
     """A real backend behind a fault: ``raise`` always, ``stall`` until released, or ``slow``
     (``seconds`` a call); ``asked`` counts the requests it was asked for."""

@@ -140,6 +140,14 @@ def test_lm_learns_roundtrips_and_runs_in_parallel(data, cache, tmp_path):
     reqs = to_requests(data[1][:4], 1024)
     assert [r.bucket for r in loaded.predict_async(reqs).result(timeout=60)] == [r.bucket for r in p.predict(reqs)]
     loaded.close()
+    # the head on handed-over backbone features (the served prefill's path) answers as predict does
+    assert [r.bucket for r in p.predict_features(p.backbone_features(reqs), reqs)] == [r.bucket for r in p.predict(reqs)]
+    from model.loader import resolve_model
+    from predictors.evaluate import from_prefill_latency_ms
+
+    assert p.feature_layer("default", resolve_model("default")) == 2
+    timing = from_prefill_latency_ms(p, reqs, 4)
+    assert 0 < timing["from_prefill_latency_ms_p50"] <= timing["from_prefill_latency_ms_p99"]
 
 
 def test_lm_takes_any_local_checkpoint(data, tmp_path):
@@ -158,5 +166,6 @@ def test_lm_takes_any_local_checkpoint(data, tmp_path):
     assert p.encoder.num_layers == 2  # num_layers=16 asked for more than the model has: all of them
     ranges = p.predict(to_requests(data[1][:3], 1024))
     assert len(ranges) == 3 and all(0 < r.prob <= 1 for r in ranges)
+    assert p.feature_layer("default", resolve_model("default")) == 0  # not the served model: no prefill features
     with pytest.raises(FileNotFoundError, match="model not found"):
         get_predictor("lm", model=str(tmp_path / "nope")).fit(data[0][:5])

@@ -40,12 +40,14 @@ bool paged_decode_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, con
 // rows of out and returns true, or returns false where it does not apply (dtype, head layout).
 bool paged_prefill_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                         const torch::Tensor& seqs, const torch::Tensor& tables, double scale, torch::Tensor& out);
-// A whole forward step of a LLaMA model in bf16, embeddings in, final-normed hidden out: prompt
-// chunks and decode tokens (llama_forward.cpp has the argument layout).
-torch::Tensor llama_forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> layers,
-                            torch::Tensor final_norm, torch::Tensor kv, torch::Tensor slots, torch::Tensor seqs,
-                            torch::Tensor seq_tables, torch::Tensor dec_tables, torch::Tensor dec_lens,
-                            int64_t num_heads, double eps, double scale);
+// A whole forward step of a LLaMA model in bf16, embeddings in, final-normed hidden out (and
+// tapped rows after a given layer): prompt chunks and decode tokens (llama_forward.cpp has the
+// argument layout).
+std::vector<torch::Tensor> llama_forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                         std::vector<torch::Tensor> layers, torch::Tensor final_norm, torch::Tensor kv,
+                                         torch::Tensor slots, torch::Tensor seqs, torch::Tensor seq_tables,
+                                         torch::Tensor dec_tables, torch::Tensor dec_lens, int64_t num_heads, double eps,
+                                         double scale, int64_t tap_layer, torch::Tensor tap_rows);
 
 #if defined(__AVX512F__)
 // e^x, 16 lanes: 2^(x log2 e) split into an integer power (applied exactly by scalef) and a

@@ -34,7 +34,10 @@
 //   seq_tables [P, max_blocks] int64 block ids of each chunk's request
 //   dec_tables [B, max_blocks'] int64, dec_lens [B] int64 (this token included): decode rows,
 //              which follow the chunks' rows
-//   returns    [T, E] bf16: the final RMSNorm of the last layer's output
+//   tap_layer  0, or a layer count k: also return tap_rows' hidden states after k layers, through
+//              the final RMSNorm (what the first k layers as a model of their own would output:
+//              the `lm` length predictor's features, taken from the served prefill for free)
+//   returns    [T, E] bf16: the final RMSNorm of the last layer's output; and the taps [R, E]
 #include "kernels.h"
 
 #include <c10/util/BFloat16.h>
@@ -103,10 +106,11 @@ void rope_head(const bf16* x, const float* cos, const float* sin, bf16* out, int
 }
 }  // namespace
 
-torch::Tensor llama_forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> layers,
-                            torch::Tensor final_norm, torch::Tensor kv, torch::Tensor slots, torch::Tensor seqs,
-                            torch::Tensor seq_tables, torch::Tensor dec_tables, torch::Tensor dec_lens,
-                            int64_t num_heads, double eps, double scale) {
+std::vector<torch::Tensor> llama_forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                         std::vector<torch::Tensor> layers, torch::Tensor final_norm, torch::Tensor kv,
+                                         torch::Tensor slots, torch::Tensor seqs, torch::Tensor seq_tables,
+                                         torch::Tensor dec_tables, torch::Tensor dec_lens, int64_t num_heads, double eps,
+                                         double scale, int64_t tap_layer, torch::Tensor tap_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "llama_forward: x [T, E] bf16 CPU");
   TORCH_CHECK(kv.dim() == 6 && kv.scalar_type() == at::kBFloat16 && kv.is_contiguous(), "llama_forward: kv pool");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "llama_forward: fp32 RoPE tables");
@@ -116,6 +120,7 @@ torch::Tensor llama_forward(torch::Tensor x, torch::Tensor cos, torch::Tensor si
   TORCH_CHECK(cos.size(0) == T && cos.size(1) == D && sin.sizes() == cos.sizes(), "llama_forward: RoPE tables [T, D]");
   TORCH_CHECK(N <= T && dec_tables.size(0) == B && seqs.size(0) == seq_tables.size(0), "llama_forward: step layout");
   TORCH_CHECK(D % 2 == 0 && H % H_kv == 0, "llama_forward: head layout");
+  TORCH_CHECK(tap_layer >= 0 && tap_layer <= L && tap_rows.scalar_type() == at::kLong, "llama_forward: tap");
   const int64_t num_prefill = N - B;  // rows of prompt chunks, then B decode rows
   TORCH_CHECK(num_prefill >= 0 && (seqs.size(0) == 0 || seqs[-1][1].item<int64_t>() == num_prefill),
               "llama_forward: the chunks' rows must come first and end where the decode rows start");
@@ -135,6 +140,7 @@ torch::Tensor llama_forward(torch::Tensor x, torch::Tensor cos, torch::Tensor si
   bf16* np = normed.data_ptr<bf16>();
   bf16* qp = q.data_ptr<bf16>();
   const float fe = static_cast<float>(eps);
+  auto taps = torch::empty({tap_layer > 0 ? tap_rows.numel() : 0, E}, h.options());
 
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = layers.data() + 6 * l;
@@ -166,8 +172,12 @@ torch::Tensor llama_forward(torch::Tensor x, torch::Tensor cos, torch::Tensor si
 
     rms_norm(hp, w[3].data_ptr<bf16>(), np, T, E, fe);
     linear_packed_add_(h, silu_mul_packed(normed, w[4]), w[5]);
+    if (l + 1 == tap_layer) {  // the tapped rows after this layer, normed as a truncated model's output
+      const auto rows = h.index_select(0, tap_rows.contiguous());
+      rms_norm(rows.data_ptr<bf16>(), final_norm.data_ptr<bf16>(), taps.data_ptr<bf16>(), rows.size(0), E, fe);
+    }
   }
   auto out = torch::empty_like(h);
   rms_norm(hp, final_norm.data_ptr<bf16>(), out.data_ptr<bf16>(), T, E, fe);
-  return out;
+  return {out, taps};
 }
