@@ -201,12 +201,13 @@ def _kv_bytes(cluster) -> int:
 def _predictor_delta(before: dict, after: dict, latency: LatencyHistogram, latency_count_before: int) -> dict:
     """The predictor's counts over the replay alone (warm-up requests taken out), and the
     latency (submit to answer, on the loop's clock) of the predictions that came back."""
-    d = {k: after[k] - before[k] for k in ("predictions", "fallbacks", "hits", "scored")}
+    d = {k: after[k] - before[k] for k in ("predictions", "fallbacks", "hits", "scored", "from_prefill")}
     d["latency_p50_s"] = latency.quantile(0.5, since=latency_count_before)
     d["latency_p99_s"] = latency.quantile(0.99, since=latency_count_before)
     d["fallback_reasons"] = {r: n - before["fallback_reasons"].get(r, 0) for r, n in after["fallback_reasons"].items()}
     d["accuracy"] = d["hits"] / d["scored"] if d["scored"] else None
-    return {"name": after["name"], "granularity": after["granularity"], "mode": after["mode"], **d}
+    return {"name": after["name"], "granularity": after["granularity"], "mode": after["mode"],
+            "features": after["features"], **d}
 
 
 async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[int]], bundle,

@@ -90,6 +90,8 @@ def register(subparsers) -> None:
     r.add_argument("trace", help="Azure CSV, lengths CSV, Mooncake JSONL or aserve JSONL (auto-detected)")
     r.add_argument("--prompts", default=None, help="JSONL with 'prompt' text: real prompts cut/extended to length "
                    "(default: random token ids)")
+    r.add_argument("--chat", action="store_true", help="send each request's text (the trace's own) as one chat "
+                   "turn with the model's chat template, as a chat client does; its length is the template's")
     r.add_argument("--url", default=None, help="replay against this OpenAI-compatible server instead of in-process")
     r.add_argument("--api-model", default=None, help="model name to send with --url (default: the server's first)")
     r.add_argument("--compare", default=None, help="'NAME: flags ; NAME: flags': systems replayed in turn")
@@ -165,11 +167,16 @@ def cmd_replay(a: argparse.Namespace) -> int:
     slo, engine = parse_slo(a.slo), cli.engine_config(a)
     if a.url and a.compare:
         raise ValueError("--compare runs in-process systems; it cannot be combined with --url")
+    if a.chat and (a.max_prompt_tokens or a.length_scale != 1.0 or a.prompts):
+        raise ValueError("--chat sends each request's own text whole: it cannot be combined with "
+                         "--max-prompt-tokens, --length-scale or --prompts")
     specs = (parse_compare(a.compare, a) if a.compare else
              [SystemSpec(a.name or default_name(engine, cli.cluster_config(a)), engine, cli.cluster_config(a))])
     bundle, tokenizer, context = _tokenizer_and_context(a, engine)
-    trace = load_trace(a.trace, fit_options(a, context), lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
-    builder = PromptBuilder(tokenizer, Path(a.prompts) if a.prompts else None, a.seed)
+    builder = PromptBuilder(tokenizer, Path(a.prompts) if a.prompts else None, a.seed, chat=a.chat)
+    count = (lambda text: len(builder.chat_ids(text))) if a.chat else \
+        (lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+    trace = load_trace(a.trace, fit_options(a, context), count)
     prompts = builder.build(trace.requests)
     with ReplayProgress(a.progress) as progress:
         runs = run_loop(_run(a, specs, trace, prompts, bundle, progress))

@@ -243,8 +243,9 @@ def _predictions_cell(p: Optional[dict]) -> str:
     if not p:
         return "n/a"
     reasons = ", ".join(f"{n} {r}" for r, n in p.get("fallback_reasons", {}).items() if n)
-    p50 = p.get("latency_p50_s")
+    p50, tapped = p.get("latency_p50_s"), p.get("from_prefill")
     return (f"{p['predictions']} / {p['fallbacks']}" + (f" ({reasons})" if reasons else "") +
+            (f", {tapped} from the prefill" if tapped else "") +
             (f", p50 {p50 * 1e3:.0f} ms" if p50 is not None else ""))
 
 

@@ -95,10 +95,13 @@ class PromptBuilder:
     Text the trace carries is tokenised and cut, or extended with more text; with a prompts
     file (JSONL with a ``prompt`` field) real prompts are taken in a seeded order and joined
     until long enough; otherwise ids are drawn uniformly from the vocabulary minus special ids.
+    With ``chat``, each request's text is sent as one user turn of the tokenizer's chat template,
+    as a chat client would send it, and its length is what the template makes of it (the trace's
+    ``prompt_tokens`` is not imposed; a request without text is an error).
     """
 
-    def __init__(self, tokenizer, prompts_file: Optional[Path] = None, seed: int = 0):
-        self.tokenizer, self.rng = tokenizer, random.Random(seed)
+    def __init__(self, tokenizer, prompts_file: Optional[Path] = None, seed: int = 0, chat: bool = False):
+        self.tokenizer, self.rng, self.chat = tokenizer, random.Random(seed), chat
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
         self.vocab = [i for i in range(len(tokenizer)) if i not in special]
         self.lines: list[str] = []
@@ -115,6 +118,8 @@ class PromptBuilder:
         """Where the prompts of ``reqs`` come from, for the report: the trace's own text, the
         prompts file, random ids, or a mix (text cut or extended)."""
         with_text = sum(1 for r in reqs if r.prompt_text)
+        if self.chat:
+            return "the trace's text, one chat turn each"
         if with_text == 0:
             return self.source
         if with_text == len(reqs):
@@ -132,7 +137,15 @@ class PromptBuilder:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def chat_ids(self, text: str) -> list[int]:
+        """``text`` as one user turn of the chat template, ready for the reply."""
+        templated = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                       add_generation_prompt=True, tokenize=False)
+        return self._encode(templated)
+
     def token_ids(self, req: TraceRequest) -> list[int]:
+        if self.chat:
+            return self.chat_ids(req.prompt_text)
         n = req.prompt_tokens
         ids = self._encode(req.prompt_text) if req.prompt_text else []
         if not ids and not self.lines:
@@ -143,4 +156,9 @@ class PromptBuilder:
         return ids[:n]
 
     def build(self, reqs: Sequence[TraceRequest]) -> list[list[int]]:
+        if self.chat:
+            missing = [i for i, r in enumerate(reqs) if not r.prompt_text]
+            if missing:
+                raise ValueError(f"--chat sends each request's text as a chat turn, but {len(missing)} of "
+                                 f"{len(reqs)} requests have no prompt text (the first: request {missing[0]})")
         return [self.token_ids(r) for r in reqs]

@@ -74,6 +74,7 @@ def test_report_shape_and_sane_numbers(replayed):
         # the default predictor is the oracle: replay hands it every request's true length
         pred = s["predictor"]
         assert pred["name"] == "oracle" and (pred["predictions"], pred["fallbacks"], pred["scored"]) == (6, 0, 6)
+        assert (pred["features"], pred["from_prefill"]) == ("prompt", 0)  # the oracle reads no model state
         assert s["predictor_accuracy"] == 1.0
     tetri, vllm = report["systems"]["tetri"], report["systems"]["vllm"]
     assert tetri["perf_per_dollar_vs_first"] == 1.0 and vllm["perf_per_dollar_vs_first"] > 0
@@ -186,3 +187,12 @@ def test_replayed_requests_do_not_carry_their_true_length_as_max_tokens():
         assert stops.check(req) == ("length" if n == 36 else None)
     with pytest.raises(ValueError, match="length_after"):
         SamplingParams(max_tokens=5, length_after=6)
+
+
+def test_chat_replay_refuses_flags_that_would_cut_its_text(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0.0, "prompt": "Why is the sky blue?", "output_tokens": 4}) + "\n")
+    for extra in (["--max-prompt-tokens", "10"], ["--prompts", str(trace)], ["--length-scale", "2"]):
+        args = parser().parse_args(["replay", str(trace), "--chat", "--no-progress", *extra])
+        with pytest.raises(ValueError, match="--chat sends each request's own text whole"):
+            args.func(args)

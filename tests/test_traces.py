@@ -213,3 +213,19 @@ def test_prompt_builder_random_and_text(tmp_path):
     prompts = write(tmp_path, "p.jsonl", "".join(json.dumps({"prompt": f"w{i} x y"}) + "\n" for i in range(4)))
     b = PromptBuilder(FakeTokenizer(), prompts, seed=0)
     assert [len(x) for x in b.build([TraceRequest(0.0, n, 1) for n in (2, 10, 3)])] == [2, 10, 3]
+
+
+def test_prompt_builder_chat_sends_each_text_as_one_chat_turn():
+    from transformers import AutoTokenizer
+
+    from model.loader import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("default"))
+    b = PromptBuilder(tok, chat=True)
+    question = "What is the capital of France?"
+    (ids,) = b.build([TraceRequest(0.0, 3, 1, question)])
+    # the whole turn, not cut to the trace's 3 tokens, ready for the assistant's reply
+    assert tok.decode(ids).endswith(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+    assert len(ids) > 3 and b.describe([]) == "the trace's text, one chat turn each"
+    with pytest.raises(ValueError, match=r"1 of 2 requests have no prompt text \(the first: request 1\)"):
+        b.build([TraceRequest(0.0, 3, 1, question), TraceRequest(0.1, 3, 1)])
