@@ -67,10 +67,9 @@ class ModelRunner:
         self._swap(step)
         if not step.seqs:
             return StepOutput({}, time.perf_counter() - t0, 0)
-        ids, positions, meta, sample_rows, sample_specs, sample_ids = self._prepare(step)
-        tap_rows, tap_ids = self._tap_rows(step)
+        ids, positions, meta, sample_rows, sample_specs, sample_ids, (tap_rows, tap_ids) = self._prepare(step)
         features = None
-        if tap_rows:
+        if tap_rows and hasattr(self.model, "forward_tapped"):  # OPT has no tap: no features
             hidden, taps = self.model.forward_tapped(ids, positions, meta, self.kv.pool, step.tap_layer,
                                                      self._long(tap_rows))
             features = dict(zip(tap_ids, taps.float().cpu()))
@@ -89,19 +88,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepOutput(sampled, time.perf_counter() - t0, ids.shape[0], logits_out, features)
-
-    def _tap_rows(self, step: StepInput) -> tuple[list[int], list[str]]:
-        """The step rows of the tapped sequences' last tokens, in the order ``_prepare`` lays
-        sequences out (chunks first, then decode rows); none unless the model can tap."""
-        if not step.tap_layer or not hasattr(self.model, "forward_tapped"):
-            return [], []
-        rows, ids, row = [], [], 0
-        for s in sorted(step.seqs, key=lambda s: len(s.token_ids) == 1):  # stable: chunks, then decodes
-            row += len(s.token_ids)
-            if s.tap:
-                rows.append(row - 1)
-                ids.append(s.request_id)
-        return rows, ids
 
     def _swap(self, step: StepInput) -> None:
         """Swap-outs first, then swap-ins (a block freed by a swap-out may be reused at once).
@@ -130,6 +116,7 @@ class ModelRunner:
         prefills = [s for s in step.seqs if len(s.token_ids) > 1]
         decodes = [s for s in step.seqs if len(s.token_ids) == 1]
         ids, pos, slots, pre_meta, rows, specs, rids = [], [], [], [], [], [], []
+        tap_rows, tap_ids = [], []  # last-token rows of sequences whose features are asked for
         for s in prefills + decodes:
             n = len(s.token_ids)
             start_tok = len(ids)
@@ -147,12 +134,15 @@ class ModelRunner:
                 rows.append(start_tok + n - 1)
                 specs.append(s.spec)
                 rids.append(s.request_id)
+            if s.tap and step.tap_layer:
+                tap_rows.append(start_tok + n - 1)
+                tap_ids.append(s.request_id)
         num_prefill = len(ids) - len(decodes)
         ids.extend([0] * step.num_pad_tokens)
         pos.extend([0] * step.num_pad_tokens)
         bt, ctx_lens = self._decode_tables(decodes)
         meta = AttentionMeta(self._long(slots), tuple(pre_meta), num_prefill, len(decodes), bs, bt, ctx_lens)
-        return self._long(ids), self._long(pos), meta, rows, specs, rids
+        return self._long(ids), self._long(pos), meta, rows, specs, rids, (tap_rows, tap_ids)
 
     def _decode_tables(self, decodes: list[SeqWork]):
         if not decodes:

@@ -57,6 +57,14 @@ class AttentionMeta:
         return self.num_prefill_tokens + self.num_decode_tokens
 
     @functools.cached_property
+    def chunk_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt chunks as the native kernels take them (``native.chunk_tables``), built once
+        a step, not once a layer."""
+        from model import native
+
+        return native.chunk_tables(self.prefills)
+
+    @functools.cached_property
     def decode_bias(self) -> torch.Tensor:
         """[B_dec, 1, 1, max_blocks * block_size] float, 0 or -inf: the padded decode batch's mask
         for the sdpa and reference backends (built on first use: the native and flash kernels read
@@ -86,8 +94,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if backend == "native" and _native_prefill(q, k_cache):
         from model import native
 
-        seqs, tables = native.chunk_tables(meta.prefills)
-        out = native.paged_prefill(q, k_cache, v_cache, seqs, tables, scale)  # decode and pad rows 0
+        out = native.paged_prefill(q, k_cache, v_cache, *meta.chunk_tables, scale)  # decode and pad rows 0
         if meta.num_decode_tokens:
             s, e = meta.num_prefill_tokens, meta.num_real_tokens
             out[s:e] = _decode_batch(q[s:e], k_cache, v_cache, meta, scale, backend)

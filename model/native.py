@@ -154,14 +154,13 @@ def llama_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights
     embeddings -> (final-normed hidden [T, E], taps [R, E]): the taps are ``tap_rows`` after
     ``tap_layer`` layers through the final norm (empty unless asked); ``weights`` as
     ``step_weights`` makes them; ``meta`` is the step's ``AttentionMeta``."""
-    seqs, seq_tables = chunk_tables(meta.prefills)
+    seqs, seq_tables = meta.chunk_tables
     dec_tables, dec_lens = meta.decode_block_tables, meta.decode_ctx_lens
     if dec_tables is None:
         dec_tables, dec_lens = _NO_ROWS, _NO_ROWS[:, 0]
-    hidden, taps = load().llama_forward(x, cos, sin, weights, final_norm, kv, meta.slot_mapping, seqs, seq_tables,
-                                        dec_tables, dec_lens, num_heads, eps, scale, tap_layer,
-                                        _NO_ROWS[:, 0] if tap_rows is None else tap_rows)
-    return hidden, taps
+    return tuple(load().llama_forward(x, cos, sin, weights, final_norm, kv, meta.slot_mapping, seqs, seq_tables,
+                                      dec_tables, dec_lens, num_heads, eps, scale, tap_layer,
+                                      _NO_ROWS[:, 0] if tap_rows is None else tap_rows))
 
 
 _NO_ROWS = torch.zeros(0, 3, dtype=torch.long)  # no chunk (as [P, 3]) or no decode row
