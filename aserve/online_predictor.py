@@ -100,7 +100,7 @@ class _Job:
     request: Request
     start: float  # loop time
     future: asyncio.Future  # -> _Outcome (never an exception: nobody has to retrieve one)
-    view: Optional[Request] = None  # what the backend saw (set once the thread answered)
+    view: Optional[Request] = None  # what the backend saw (set once the thread answered; at start for prefill features)
     settled: bool = False  # the outcome reached the request (or the timeout did)
     from_prefill: bool = False  # answered by ``feed`` from the prefill's features
 
@@ -120,11 +120,10 @@ class OnlinePredictor:
         self._queue: list[_Job] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.latency = LatencyHistogram()
-        self.counts = {"predictions": 0, "scored": 0, "hits": 0, "observed": 0, "observe_errors": 0,
+        self.counts = {"predictions": 0, "scored": 0, "hits": 0, "observed": 0, "observe_errors": 0, "from_prefill": 0,
                        **{f"fallback_{r}": 0 for r in FALLBACK_REASONS}}
         self.last_error: Optional[str] = None
         self.feature_layer = 0  # > 0: features from the served prefill after this many layers
-        self.counts["from_prefill"] = 0
 
     def load(self, decode: Optional[Callable[[list[int]], str]] = None, served_model: Optional[tuple] = None,
              at_handoff: bool = False) -> None:
@@ -160,8 +159,9 @@ class OnlinePredictor:
         self._loop = asyncio.get_running_loop()
         job = _Job(req, self._loop.time(), self._loop.create_future())
         self._jobs[req.request_id] = job
-        if self.feature_layer and self._reads_as_trained(req):
-            job.from_prefill = True
+        view = self._view_read_as_trained(req) if self.feature_layer else None
+        if view is not None:
+            job.from_prefill, job.view = True, view
             req.feature_layer = self.feature_layer  # the prefill's last chunk returns the features (feed)
             return
         if self.backend.inline:  # none / oracle: microseconds, no thread hop
@@ -175,13 +175,15 @@ class OnlinePredictor:
         if len(self._queue) == 1:
             self._loop.call_soon(self._flush)
 
-    def _reads_as_trained(self, req: Request) -> bool:
-        """Whether ``req``'s prompt ids are what the backbone reads for its text (then the served
-        prefill's state at its last token is the backend's feature): one tokenisation on the loop."""
+    def _view_read_as_trained(self, req: Request) -> Optional[Request]:
+        """``req`` as the backend sees it, if its prompt ids are what the backbone reads for its
+        text (then the served prefill's state at its last token is the backend's feature), else
+        None: one tokenisation on the loop."""
         try:
-            return self.backend.feature_ids(prompt_view(req, self._decode)) == req.prompt_token_ids
+            view = prompt_view(req, self._decode)
+            return view if self.backend.feature_ids(view) == req.prompt_token_ids else None
         except Exception:  # noqa: BLE001 - no text, a template that refuses it: the usual path
-            return False
+            return None
 
     def feed(self, features: dict) -> None:
         """The prefill's features ({request_id: [hidden]}) of requests marked at ``start``: the head
@@ -192,7 +194,6 @@ class OnlinePredictor:
                 continue  # a re-run's second prefill, or nobody waits
             job.start = self._loop.time()  # the prediction starts when its input exists
             try:
-                job.view = prompt_view(job.request, self._decode)
                 outcome = _Outcome(self.backend.predict_features(vec.numpy()[None, :], [job.view])[0])
                 self.counts["from_prefill"] += 1
             except Exception as e:  # noqa: BLE001

@@ -97,7 +97,7 @@ class LMPredictor(LengthPredictor):
 
     def _inputs(self, texts: Sequence[str], num_tokens: np.ndarray, cache: Optional[FeatureCache]) -> np.ndarray:
         feats = cache.get(texts, self.encoder.encode) if cache else self.encoder.encode(texts)
-        return np.hstack([feats, np.log1p(num_tokens)[:, None]]).astype(np.float32)
+        return _with_length(feats, num_tokens)
 
     def fit(self, examples: Sequence[Example]) -> "LMPredictor":
         texts, num_tokens, y = examples_arrays(examples, self.buckets)
@@ -143,9 +143,7 @@ class LMPredictor(LengthPredictor):
 
     def predict_features(self, features: np.ndarray, requests: Sequence[Item]) -> list[LengthRange]:
         self._check_fitted(self.head is not None)
-        tokens = np.array([prompt_of(r)[1] for r in requests])
-        x = np.hstack([np.asarray(features, dtype=np.float32), np.log1p(tokens)[:, None]]).astype(np.float32)
-        return self._ranges(x, requests)
+        return self._ranges(_with_length(features, np.array([prompt_of(r)[1] for r in requests])), requests)
 
     def _ranges(self, x: np.ndarray, requests: Sequence[Item]) -> list[LengthRange]:
         probs = self.head.probs(x)
@@ -170,3 +168,8 @@ class LMPredictor(LengthPredictor):
         dim = state["mean"].numel()
         self.head = Head(dim, self.buckets.num_buckets, self.head_cfg)
         self.head.load_state(state)
+
+
+def _with_length(features: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
+    """The head's input: the backbone's features and log(1 + prompt tokens), float32."""
+    return np.hstack([features, np.log1p(num_tokens)[:, None]]).astype(np.float32)
