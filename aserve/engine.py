@@ -18,7 +18,7 @@ from aserve.runner import ModelRunner, SeqWork, StepInput
 from model.attention import pick_backend
 from model.config import ModelArgs
 from model.kv_cache import KVCache, host_swap_space, num_blocks_for_budget
-from model.loader import load_model, pick_dtype, read_config, resolve_model
+from model.loader import chat_token_ids, load_model, pick_dtype, read_config, resolve_model
 from model.sampler import SampleSpec
 from scheduling.block_manager import BlockManager
 from scheduling.clock import Clock
@@ -68,8 +68,7 @@ class ModelBundle:
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], int):
             return list(prompt)
         if isinstance(prompt, (list, tuple)):  # chat messages
-            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return chat_token_ids(self.tokenizer, list(prompt))
         if chat:
             return self.encode([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)

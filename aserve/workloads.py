@@ -139,9 +139,9 @@ class PromptBuilder:
 
     def chat_ids(self, text: str) -> list[int]:
         """``text`` as one user turn of the chat template, ready for the reply."""
-        templated = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                       add_generation_prompt=True, tokenize=False)
-        return self._encode(templated)
+        from model.loader import chat_token_ids
+
+        return chat_token_ids(self.tokenizer, [{"role": "user", "content": text}])
 
     def token_ids(self, req: TraceRequest) -> list[int]:
         if self.chat:

@@ -68,6 +68,15 @@ def resolve_model(name: str, cache_dir: Path | None = None) -> Path:
     return path
 
 
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat ``messages`` as the served model reads them: the tokenizer's chat template, ready for
+    the assistant's reply, tokenised without adding special tokens again. Everything that makes
+    chat prompts (the engine, replays, the ``lm`` predictor's backbone) goes through here, so a
+    chat request's ids are exactly the ones the predictor reads."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def same_model(a: str, b: str) -> bool:
     """Whether two model names or paths (as ``resolve_model`` takes them) name one checkpoint,
     without resolving (converting) either."""

@@ -81,9 +81,9 @@ def backbone_ids(tokenizer, text: str, chat_template: bool, max_tokens: int) -> 
     """The ids a backbone sees for ``text``: wrapped as one user turn of the chat template when
     asked, else with the tokenizer's special tokens; cut to ``max_tokens``, head and tail."""
     if chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False)
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        from model.loader import chat_token_ids
+
+        ids = chat_token_ids(tokenizer, [{"role": "user", "content": text}])
     else:
         ids = tokenizer.encode(text, add_special_tokens=True)
     if len(ids) > max_tokens:
