@@ -72,9 +72,9 @@ inline void store_bf16(bf16* dst, __m512 v, int64_t valid) {  // valid of the 16
   else if (valid > 0) _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((1u << valid) - 1u), b);
 }
 
-inline __m512 widen(const bf16* src, int64_t valid) {  // 16 bf16 -> fp32 (bf16 is an fp32's top half)
-  const __m256i raw = valid >= kTile ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
-                                     : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << valid) - 1u), src);
+inline __m512 widen(const bf16* src, int64_t valid) {  // widen16 of the first valid of 16 (the rest 0)
+  if (valid >= kTile) return widen16(src);
+  const __m256i raw = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << valid) - 1u), src);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 

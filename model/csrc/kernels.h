@@ -50,6 +50,12 @@ std::vector<torch::Tensor> llama_forward(torch::Tensor x, torch::Tensor cos, tor
                                          double scale, int64_t tap_layer, torch::Tensor tap_rows);
 
 #if defined(__AVX512F__)
+// 16 bf16 values -> 16 fp32 (a bf16 is the top half of an fp32: exact)
+inline __m512 widen16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
 // e^x, 16 lanes: 2^(x log2 e) split into an integer power (applied exactly by scalef) and a
 // fraction in [-0.5, 0.5] whose 2^f is a degree-7 Taylor polynomial (relative error below
 // 1e-8). Below -104 the result is 0 or a denormal; large x overflows to inf, as expf does.

@@ -48,10 +48,6 @@ namespace {
 using bf16 = c10::BFloat16;
 
 #if defined(__AVX512F__)
-inline __m512 widen16(const bf16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 inline void narrow16(bf16* p, __m512 v) {  // round to nearest even, as c10::BFloat16(float)
   const __m512i u = _mm512_castps_si512(v);
   const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),

@@ -84,10 +84,7 @@ void decode_item_scalar(const T* q, const T* k, const T* v, const int64_t* table
 constexpr int64_t kMaxVec = 16;  // head sizes up to 256 on the vector path
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+inline __m512 load16(const c10::BFloat16* p) { return widen16(p); }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }

@@ -39,11 +39,6 @@ namespace {
 using bf16 = c10::BFloat16;
 
 #ifdef ASERVE_BF16_ATTN
-inline __m512 widen16(const bf16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 struct Item {  // what one (request, chunk) item produces for each of the H query heads
   float* max;   // [H]
   float* sum;   // [H]

@@ -61,11 +61,6 @@ struct Scratch {  // one thread's buffers, reused across its items
   }
 };
 
-inline __m512 widen16(const bf16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // K and V rows of keys k0 .. k0 + kc for KV head h, into the tile buffers (missing keys zero)
 template <int D>
 void load_tile(const Shape& s, const int64_t* table, int64_t h, int64_t k0, int kc, Scratch& sc) {
