@@ -10,7 +10,10 @@ default, and its output token count written as one JSONL line
 records the spread of lengths for the same prompt. Lines are appended and flushed after every
 batch, and a rerun skips ids already in the file, so a long run can be stopped and resumed.
 Prompts go in a stable hash-of-id order (``labelling_order``), so ``limit=N`` labels an
-unbiased sample of the pool and a larger ``limit`` later extends it.
+unbiased sample of the pool and a larger ``limit`` later extends it. ``split="test"`` (or
+``"train"``) keeps only that side of the predictors' split by id first, e.g. to label the
+held-out prompts a second time and see how reproducible the labels are
+(``aserve predictor agree``).
 """
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from predictors.dataset import (Label, PromptRow, check_labels_match, id_hash, is_test, labelling_order,
-                                load_prompts, read_labels, split_by_id)
+from predictors.dataset import (Label, PromptRow, check_labels_match, check_split, id_hash, in_split, is_test,
+                                labelling_order, load_prompts, read_labels, split_by_id)
 
 # the label file's readers and the id split live with the predictors; re-exported for callers of this module
 __all__ = ["label_prompts", "done_ids", "read_labels", "load_prompts", "split_by_id", "is_test",
@@ -41,13 +44,14 @@ def _check_args(temperature: float, samples: int, batch_size: int, max_tokens: i
         raise ValueError(f"limit must be >= 1, got {limit}")
 
 
-def _todo(prompts_path, out_path, limit: Optional[int]) -> tuple[list[PromptRow], int]:
-    """The prompts still to label (the first ``limit`` of the stable order, minus those done)."""
+def _todo(prompts_path, out_path, limit: Optional[int], split: str = "all") -> tuple[list[PromptRow], int]:
+    """The prompts still to label (the first ``limit`` of the stable order within ``split``,
+    minus those done)."""
     pool = load_prompts(prompts_path)
     done = read_labels(out_path) if Path(out_path).is_file() else []
     check_labels_match(done, pool)  # appending to another pool's labels would mix two data sets
     done_set = {lab.id for lab in done}
-    prompts = labelling_order(pool)[:limit]
+    prompts = labelling_order([p for p in pool if in_split(p.id, split)])[:limit]
     return [p for p in prompts if p.id not in done_set], len(done_set)
 
 
@@ -80,8 +84,10 @@ def _split_fitting(llm, batch: Sequence[PromptRow], max_tokens: int) -> tuple[li
 
 def label_prompts(prompts_path, out_path, engine_cfg, temperature: float = 0.0, top_p: float = 1.0,
                   samples: int = 1, batch_size: int = 256, limit: Optional[int] = None,
-                  max_tokens: int = 1024, quiet: bool = False, llm=None) -> dict:
+                  max_tokens: int = 1024, quiet: bool = False, llm=None, split: str = "all") -> dict:
     """Label prompts with the served model's output lengths, appending to ``out_path``; resumes.
+
+    ``split``: ``all`` the pool, or only its ``train`` / ``test`` side (the predictors' split by id).
 
     ``llm``: an already loaded ``LLM`` to reuse (else one is built from ``engine_cfg``).
     Returns a summary: prompts labelled now, skipped as too long, already done, tokens, seconds.
@@ -90,7 +96,8 @@ def label_prompts(prompts_path, out_path, engine_cfg, temperature: float = 0.0, 
     from scheduling.request import SamplingParams
 
     _check_args(temperature, samples, batch_size, max_tokens, limit)
-    todo, num_done = _todo(prompts_path, out_path, limit)
+    check_split(split)  # a bad split name fails before any file is read
+    todo, num_done = _todo(prompts_path, out_path, limit, split)
     summary = {"labelled": 0, "too_long": 0, "already_done": num_done, "tokens": 0, "seconds": 0.0}
     if todo:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)

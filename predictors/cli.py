@@ -4,6 +4,7 @@
     aserve predictor train --backend sklearn --granularity 200 [--labels F --prompts F --out DIR]
     aserve predictor eval --backend retrieval --json out.json [--prompts F --labels F]
     aserve predictor trace --out /tmp/heldout.jsonl [--num-requests 128 --rate 1.0]
+    aserve predictor agree LABELS_A LABELS_B [--json agree.json]   (two label runs of the same prompts)
 
 Bad input raises ValueError / FileNotFoundError naming the field; ``cli.main`` turns those into
 one line on stderr and exit code 2.
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from predictors.base import GRANULARITIES
-from predictors.dataset import DEFAULT_LABELS, DEFAULT_PROMPTS
+from predictors.dataset import DEFAULT_LABELS, DEFAULT_PROMPTS, SPLITS
 
 
 def add_predictor_commands(subparsers, engine_args: Optional[Callable] = None,
@@ -63,6 +64,12 @@ def add_predictor_commands(subparsers, engine_args: Optional[Callable] = None,
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--all", dest="use_all", action="store_true", help="draw from every label, not only the test split")
     tr.set_defaults(func=cmd_trace)
+    ag = psub.add_parser("agree", help="how often two label runs of the same prompts land in the same bucket")
+    ag.add_argument("labels_a", help="labels JSONL (e.g. the committed labels)")
+    ag.add_argument("labels_b", help="labels JSONL of another run over some of the same prompts")
+    ag.add_argument("--granularities", default=",".join(map(str, GRANULARITIES)), help="comma-separated")
+    ag.add_argument("--json", default=None, help="also write the report here")
+    ag.set_defaults(func=cmd_agree)
     _add_label_command(subparsers, engine_args, engine_config)
 
 
@@ -71,6 +78,8 @@ def _add_label_command(subparsers, engine_args: Callable, engine_config: Callabl
     lab.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="prompts JSONL (id, source, prompt)")
     lab.add_argument("--out", default=str(DEFAULT_LABELS), help="labels JSONL; appended to, resumed")
     lab.add_argument("--limit", type=int, default=None, help="label the first N prompts of the stable order")
+    lab.add_argument("--split", choices=SPLITS, default="all",
+                     help="label only the predictors' train or test split of the pool (by prompt id)")
     lab.add_argument("--max-tokens", type=int, default=1024)
     lab.add_argument("--temperature", type=float, default=0.0)
     lab.add_argument("--top-p", type=float, default=1.0)
@@ -167,6 +176,36 @@ def cmd_trace(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_agree(a: argparse.Namespace) -> int:
+    from predictors.agreement import label_agreement
+    from predictors.dataset import read_labels
+
+    runs = []
+    for field, path in (("labels_a", a.labels_a), ("labels_b", a.labels_b)):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"field {field!r}: no such file {str(path)!r}")
+        runs.append(read_labels(path))
+    report = {"labels_a": str(a.labels_a), "labels_b": str(a.labels_b),
+              **label_agreement(runs[0], runs[1], _granularities(a.granularities))}
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(report, indent=1))
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{report['n']} prompts in both runs (cut at {report['cap']} tokens): "
+                        f"{report['identical_length']:.1%} identical lengths, mean |difference| "
+                        f"{report['mae_tokens']:.0f} tokens")
+    for col in ("g", "buckets", "same bucket", "±1 bucket"):
+        table.add_column(col, justify="right")
+    for g, r in report["granularities"].items():
+        table.add_row(g, str(r["num_buckets"]), f"{r['same_bucket']:.1%}", f"{r['within_one_bucket']:.1%}")
+    Console(file=sys.stderr).print(table)
+    cap = report["at_cap"]
+    print(f"at the cap: {cap['a']:.1%} of run A, {cap['b']:.1%} of run B, {cap['both']:.1%} in both")
+    return 0
+
+
 def _print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -189,6 +228,7 @@ def cmd_label(a: argparse.Namespace, engine_config: Callable) -> int:
     from aserve.label import label_prompts
 
     summary = label_prompts(a.prompts, a.out, engine_config(a), temperature=a.temperature, top_p=a.top_p,
-                            samples=a.samples, batch_size=a.batch_size, limit=a.limit, max_tokens=a.max_tokens)
+                            samples=a.samples, batch_size=a.batch_size, limit=a.limit, max_tokens=a.max_tokens,
+                            split=a.split)
     print(json.dumps(summary))
     return 0

@@ -24,6 +24,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "prompts.jsonl"
 DEFAULT_LABELS = Path(__file__).resolve().parent / "data" / "labels_smollm2.jsonl"
 TEST_FRACTION = 0.2
+SPLITS = ("all", "train", "test")
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,17 @@ def split_by_id(items: Iterable, test_fraction: float = TEST_FRACTION) -> tuple[
     for item in items:
         (test if is_test(item.id, test_fraction) else train).append(item)
     return train, test
+
+
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"field 'split': expected one of {', '.join(SPLITS)}, got {split!r}")
+
+
+def in_split(prompt_id: str, split: str) -> bool:
+    """True when the id belongs to ``split``: ``all``, ``train`` or ``test``."""
+    check_split(split)
+    return split == "all" or is_test(prompt_id) == (split == "test")
 
 
 def labelling_order(prompts: Sequence[PromptRow]) -> list[PromptRow]:

@@ -64,3 +64,24 @@ def test_label_bad_arguments(tmp_path, kw, msg):
 def test_label_missing_prompts_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
         label_prompts(tmp_path / "p.jsonl", tmp_path / "l.jsonl", None, quiet=True)
+
+
+def test_label_split_keeps_one_side_of_the_predictors_split(tmp_path):
+    from aserve.label import _todo
+    from predictors.dataset import is_test, labelling_order, load_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"prompt {i}"}) + "\n" for i in range(60)))
+    pool = load_prompts(path)
+    test, _ = _todo(path, tmp_path / "l.jsonl", None, "test")
+    train, _ = _todo(path, tmp_path / "l.jsonl", None, "train")
+    assert test and train and all(is_test(p.id) for p in test) and not any(is_test(p.id) for p in train)
+    assert len(test) + len(train) == 60
+    assert [p.id for p in test] == [p.id for p in labelling_order(pool) if is_test(p.id)]  # the stable order
+    assert _todo(path, tmp_path / "l.jsonl", 3, "test")[0] == test[:3]  # limit counts within the split
+    assert _todo(path, tmp_path / "l.jsonl", None, "all")[0] == labelling_order(pool)
+
+
+def test_label_bad_split_names_the_field(tmp_path):
+    with pytest.raises(ValueError, match="field 'split'"):
+        label_prompts(tmp_path / "p.jsonl", tmp_path / "l.jsonl", None, split="dev")
