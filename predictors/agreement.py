@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from predictors.base import Buckets
+from predictors.base import Buckets, bucket_match
 from predictors.dataset import Label
 
 
@@ -58,8 +58,7 @@ def label_agreement(a: Sequence[Label], b: Sequence[Label], granularities: Seque
            "granularities": {}}
     for g in granularities:
         buckets = Buckets(g, cap)
-        ba, bb = buckets.bucket_array(la), buckets.bucket_array(lb)
-        out["granularities"][str(g)] = {"same_bucket": round(float((ba == bb).mean()), 4),
-                                        "within_one_bucket": round(float((np.abs(ba - bb) <= 1).mean()), 4),
+        same, near = bucket_match(buckets.bucket_array(la), buckets.bucket_array(lb))
+        out["granularities"][str(g)] = {"same_bucket": same, "within_one_bucket": near,
                                         "num_buckets": buckets.num_buckets}
     return out

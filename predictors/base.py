@@ -94,6 +94,13 @@ class Buckets:
         return LengthRange(lo, hi, bucket, float(prob))
 
 
+def bucket_match(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """Over two arrays of bucket indices: the share of rows in the same bucket, and within one
+    bucket of each other (rounded to 4 places)."""
+    a, b = np.asarray(a), np.asarray(b)
+    return round(float((a == b).mean()), 4), round(float((np.abs(a - b) <= 1).mean()), 4)
+
+
 def prompt_of(item: Item) -> tuple[str, int]:
     """``(prompt text, served-model prompt tokens)`` of a request or a training example."""
     if isinstance(item, Example):

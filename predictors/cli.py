@@ -178,15 +178,12 @@ def cmd_trace(a: argparse.Namespace) -> int:
 
 def cmd_agree(a: argparse.Namespace) -> int:
     from predictors.agreement import label_agreement
-    from predictors.dataset import read_labels
+    from predictors.dataset import read_labels, require_file
 
-    runs = []
-    for field, path in (("labels_a", a.labels_a), ("labels_b", a.labels_b)):
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"field {field!r}: no such file {str(path)!r}")
-        runs.append(read_labels(path))
+    require_file("labels_a", a.labels_a)
+    require_file("labels_b", a.labels_b)
     report = {"labels_a": str(a.labels_a), "labels_b": str(a.labels_b),
-              **label_agreement(runs[0], runs[1], _granularities(a.granularities))}
+              **label_agreement(read_labels(a.labels_a), read_labels(a.labels_b), _granularities(a.granularities))}
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(report, indent=1))

@@ -82,6 +82,12 @@ class Example:
             raise ValueError(f"example {self.id!r}: length must be >= 0 and prompt_tokens >= 1")
 
 
+def require_file(field: str, path: Path | str) -> None:
+    """FileNotFoundError naming the command-line field when ``path`` is not a file."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"field {field!r}: no such file {str(path)!r}")
+
+
 def _jsonl(path: Path) -> Iterator[tuple[int, dict]]:
     from aserve.trace_formats import iter_jsonl
 

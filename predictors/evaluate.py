@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from predictors.base import GRANULARITIES, Buckets, LengthPredictor
+from predictors.base import GRANULARITIES, Buckets, LengthPredictor, bucket_match
 from predictors.dataset import DEFAULT_LABELS, DEFAULT_PROMPTS, TEST_FRACTION, Example
 from predictors.simple import ORACLE_ATTR
 from predictors.train import (Dataset, TrainConfig, artefact_dir, build_predictor, file_digest, load_dataset,
@@ -147,10 +147,11 @@ def score(predictor: LengthPredictor, test: Sequence[Example], train: Sequence[E
     pred = np.array([r.bucket for r in ranges])
     majority = Counter(buckets.bucket_array([e.length for e in train]).tolist()).most_common(1)[0][0]
     mids = np.array([buckets.midpoint(int(b)) for b in pred])
-    return {"accuracy": round(float((pred == truth).mean()), 4),
+    same, near = bucket_match(pred, truth)
+    return {"accuracy": same,
             "majority_accuracy": round(float((truth == majority).mean()), 4),
             "majority_bucket": int(majority),
-            "within_one_bucket": round(float((np.abs(pred - truth) <= 1).mean()), 4),
+            "within_one_bucket": near,
             "mae_tokens": round(float(np.abs(mids - np.array([e.length for e in test])).mean()), 1),
             "n": len(test)}
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 from predictors.base import DEFAULT_MAX_LENGTH, META_FILE, LengthPredictor
 from predictors.dataset import (DEFAULT_LABELS, DEFAULT_PROMPTS, TEST_FRACTION, Example, join_examples,
-                                load_prompts, read_labels, split_by_id)
+                                load_prompts, read_labels, require_file, split_by_id)
 
 
 def default_cache_dir() -> Path:
@@ -79,9 +79,8 @@ class Dataset:
 
 
 def load_dataset(prompts: Path | str, labels: Path | str, test_fraction: float = TEST_FRACTION) -> Dataset:
-    for flag, path in (("prompts", prompts), ("labels", labels)):
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"field {flag!r}: no such file {str(path)!r}")
+    require_file("prompts", prompts)
+    require_file("labels", labels)
     label_rows = read_labels(labels)
     if not label_rows:
         raise ValueError(f"field 'labels': {labels} holds no labels")
