@@ -137,9 +137,11 @@ def from_prefill_latency_ms(predictor: LengthPredictor, requests: Sequence[Reque
             "from_prefill_latency_ms_p99": round(float(np.percentile(single, 99)), 3)}
 
 
-def score(predictor: LengthPredictor, test: Sequence[Example], train: Sequence[Example], buckets: Buckets) -> dict:
-    """Accuracy, the majority baseline, within-one-bucket accuracy and MAE over the test rows."""
-    requests = to_requests(test, buckets.max_length)
+def score(predictor: LengthPredictor, test: Sequence[Example], train: Sequence[Example], buckets: Buckets,
+          requests: Optional[Sequence[Request]] = None) -> dict:
+    """Accuracy, the majority baseline, within-one-bucket accuracy and MAE over the test rows
+    (``requests``: ``to_requests`` of them, when the caller has it already)."""
+    requests = requests if requests is not None else to_requests(test, buckets.max_length)
     ranges = []
     for i in range(0, len(requests), 64):
         ranges.extend(predictor.predict(requests[i:i + 64]))
@@ -193,24 +195,25 @@ def _evaluate(backend, prompts, labels, granularities, model_dir, retrain, optio
               "n_test": len(data.test), "torch_threads": _torch_threads_now(), "granularities": {},
               "prefill_overlap": None}
     overlap_g = 200 if 200 in granularities else granularities[0]
+    requests = to_requests(data.test, data.max_length)  # read, never changed, by every measurement below
     for g in granularities:
         rss0 = _rss_mb()
         predictor, how = obtain_predictor(backend, g, data, model_dir, retrain, options)
         stats = getattr(predictor, "stats", None)
         if stats is not None:
             stats.update((k, 0) for k in stats)
-        row = score(predictor, data.test, data.train, predictor.buckets)
+        row = score(predictor, data.test, data.train, predictor.buckets, requests)
         if stats is not None:
             row["answers"] = dict(stats)  # e.g. retrieval: neighbours vs MLP fallback, over the test set
-        row.update(latency_ms(predictor, to_requests(data.test, data.max_length), batch_size, latency_samples))
-        row.update(from_prefill_latency_ms(predictor, to_requests(data.test, data.max_length), latency_samples))
+        row.update(latency_ms(predictor, requests, batch_size, latency_samples))
+        row.update(from_prefill_latency_ms(predictor, requests, latency_samples))
         row["memory_mb"] = round(predictor.memory_bytes() / 2**20, 2)
         row["rss_delta_mb"] = round(_rss_mb() - rss0, 1)
         row["trained"] = how
         if prefill_overlap and g == overlap_g and not predictor.inline:
             from predictors.overlap import prefill_slowdown
 
-            report["prefill_overlap"] = prefill_slowdown(predictor, to_requests(data.test, data.max_length))
+            report["prefill_overlap"] = prefill_slowdown(predictor, requests)
         if predictor.learns_online:  # last: it grows the predictor's state
             row["online_accuracy"] = online_accuracy(predictor, data.test)
         report["granularities"][str(g)] = row

@@ -99,12 +99,15 @@ class LMPredictor(LengthPredictor):
         feats = cache.get(texts, self.encoder.encode) if cache else self.encoder.encode(texts)
         return _with_length(feats, num_tokens)
 
-    def fit(self, examples: Sequence[Example]) -> "LMPredictor":
-        texts, num_tokens, y = examples_arrays(examples, self.buckets)
+    def _cache(self) -> FeatureCache:
+        """The on-disk feature cache for this backbone's settings (shared by every granularity)."""
         from predictors.train import default_cache_dir
 
-        cache = FeatureCache(Path(self.cache_dir) if self.cache_dir else default_cache_dir(), self._settings())
-        x = self._inputs(texts, num_tokens, cache)
+        return FeatureCache(Path(self.cache_dir) if self.cache_dir else default_cache_dir(), self._settings())
+
+    def fit(self, examples: Sequence[Example]) -> "LMPredictor":
+        texts, num_tokens, y = examples_arrays(examples, self.buckets)
+        x = self._inputs(texts, num_tokens, self._cache())
         self.head = Head(x.shape[1], self.buckets.num_buckets, self.head_cfg).fit(x, y)
         return self
 
@@ -139,7 +142,8 @@ class LMPredictor(LengthPredictor):
         return backbone_ids(self._tokenizer, prompt_of(request)[0], True, self.max_tokens)
 
     def backbone_features(self, requests: Sequence[Item]) -> np.ndarray:
-        return self.encoder.encode([prompt_of(r)[0] for r in requests])
+        """Through the feature cache: eval asks for the same prompts at every granularity."""
+        return self._cache().get([prompt_of(r)[0] for r in requests], self.encoder.encode)
 
     def predict_features(self, features: np.ndarray, requests: Sequence[Item]) -> list[LengthRange]:
         self._check_fitted(self.head is not None)
