@@ -132,14 +132,14 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
+    from aserve.report import write_json
     from predictors.evaluate import evaluate_backend
 
     report = evaluate_backend(a.backend, a.prompts, a.labels, _granularities(a.granularities),
                               Path(a.model_dir) if a.model_dir else None, a.retrain, parse_options(a.option),
                               threads=a.threads, latency_samples=a.latency_samples,
                               prefill_overlap=a.prefill_overlap)
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(report, indent=1))
+    write_json(report, a.json)
     _print_table(report)
     return 0
 
@@ -177,6 +177,7 @@ def cmd_trace(a: argparse.Namespace) -> int:
 
 
 def cmd_agree(a: argparse.Namespace) -> int:
+    from aserve.report import write_json
     from predictors.agreement import label_agreement
     from predictors.dataset import read_labels, require_file
 
@@ -185,8 +186,7 @@ def cmd_agree(a: argparse.Namespace) -> int:
     report = {"labels_a": str(a.labels_a), "labels_b": str(a.labels_b),
               **label_agreement(read_labels(a.labels_a), read_labels(a.labels_b), _granularities(a.granularities))}
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(report, indent=1))
+        write_json(report, a.json)
     from rich.console import Console
     from rich.table import Table
 
