@@ -6,7 +6,7 @@ from typing import Optional
 
 from model.attention import BACKENDS
 from model.kv_cache import SWAP_DTYPES
-from scheduling.alise import ALL_POLICIES
+from scheduling import registry
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.attention != "auto" and self.attention not in BACKENDS:
             raise ValueError(f"bad attention backend {self.attention!r}: choose one of auto, {', '.join(BACKENDS)}")
-        if self.batching not in ALL_POLICIES:
-            raise ValueError(f"bad batching policy {self.batching!r}: choose one of {', '.join(ALL_POLICIES)}")
+        if self.batching not in registry.names("batching"):
+            raise ValueError(f"bad batching policy {self.batching!r}: choose one of {', '.join(registry.names('batching'))}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.swap_gb < 0:
@@ -69,7 +69,7 @@ class ClusterConfig:
     decode_policy: str = "greedy"  # greedy | reserve-static | reserve-dynamic
     preemption: str = "recompute"  # recompute | swap (swap space: EngineConfig.swap_gb)
     heavy_threshold: int = 128
-    # length predictor (aserve/online_predictor.py; backends in predictors/)
+    # length predictor (aserve/predict/online.py; backends in predictors/)
     predictor: str = "oracle"  # none | oracle | sklearn | lm | retrieval
     predictor_granularity: int = 200  # bucket width, tokens: 100 | 200 | 400
     predictor_mode: str = "parallel"  # parallel: beside the prefill | sequential: before it (adds to TTFT)
@@ -96,22 +96,20 @@ class ClusterConfig:
     transfer_timeout_s: float = 30.0  # a KV transfer slower than this is retried elsewhere
     transfer_retries: int = 2  # retries on other decode instances before re-running from the prompt
     lease_s: float = 60.0  # decode blocks reserved for KV that never arrives are freed after this
-    device_share: str = "shared"  # shared | dedicated: emulate one device per instance (Cluster.device_slowdown)
+    device_share: str = "shared"  # shared | dedicated: emulate one device per instance (aserve/engine/device.py, CoreShare)
     seed: int = 0
 
     def __post_init__(self):
-        from scheduling.registry import DECODE_POLICIES, DISPATCH_POLICIES, PREFILL_POLICIES
-
         if self.mode not in MODES:
             raise ValueError(f"bad mode {self.mode!r}: choose one of {', '.join(MODES)}")
         counts = (self.num_prefill, self.num_decode) if self.mode == "disagg" else (self.num_coupled,)
         if min(counts) < 1:
             raise ValueError(f"{self.mode} mode needs at least one instance of each kind, got {counts}")
-        for value, table, field in ((self.prefill_policy, PREFILL_POLICIES, "prefill_policy"),
-                                    (self.dispatch, DISPATCH_POLICIES, "dispatch"),
-                                    (self.decode_policy, DECODE_POLICIES, "decode_policy")):
-            if value not in table:
-                raise ValueError(f"bad {field} {value!r}: choose one of {', '.join(table)}")
+        for value, kind, field in ((self.prefill_policy, "prefill", "prefill_policy"), (self.dispatch, "dispatch", "dispatch"),
+                                   (self.decode_policy, "decode", "decode_policy"), (self.flip, "flip", "flip")):
+            if value not in registry.names(kind):
+                what = "flip policy" if kind == "flip" else field
+                raise ValueError(f"bad {what} {value!r}: choose one of {', '.join(registry.names(kind))}")
         if self.preemption not in ("recompute", "swap"):
             raise ValueError(f"bad preemption {self.preemption!r}: recompute or swap")
         if self.chunk_size < 1 or self.prefill_sched_batch < 1:
@@ -119,10 +117,6 @@ class ClusterConfig:
         self._check_predictor()
         if self.monitor_interval_s <= 0:
             raise ValueError("monitor_interval_s must be > 0")
-        from scheduling.flip import FLIP_POLICIES
-
-        if self.flip not in FLIP_POLICIES:
-            raise ValueError(f"bad flip policy {self.flip!r}: choose one of {', '.join(FLIP_POLICIES)}")
         if self.on_failure not in ("rerun", "error"):
             raise ValueError(f"bad on_failure {self.on_failure!r}: rerun or error")
         for name in ("flip_window_s", "flip_idle_s", "flip_check_s", "transfer_timeout_s", "lease_s"):
@@ -166,7 +160,3 @@ class ClusterConfig:
             raise ValueError("the 'none' predictor takes no options and no predictor_path")
         if options:  # unknown keys and bad values fail here, not minutes later in Cluster.start
             get_predictor(self.predictor, granularity=self.predictor_granularity, **options)
-
-    @property
-    def num_instances(self) -> int:
-        return self.num_prefill + self.num_decode if self.mode == "disagg" else self.num_coupled

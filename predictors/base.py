@@ -159,7 +159,7 @@ class LengthPredictor(abc.ABC):
 
     def run_async(self, fn, *args) -> Future:
         """``fn(*args)`` as a future, on the predictor's own thread in ``parallel`` mode, inline in
-        ``sequential`` mode. The online predictor (aserve/online_predictor.py) runs ``observe``
+        ``sequential`` mode. The online predictor (aserve/predict/online.py) runs ``observe``
         here too, so one thread does all the predictor's work and the two never overlap."""
         if self.mode == "sequential":
             done: Future = Future()
@@ -187,7 +187,7 @@ class LengthPredictor(abc.ABC):
     def predict(self, requests: Sequence[Item]) -> list[LengthRange]:
         """One ``LengthRange`` per request, in order."""
 
-    # ---- features from the served model's own prefill (see aserve/online_predictor.py) --------------
+    # ---- features from the served model's own prefill (see aserve/predict/online.py) --------------
     def feature_layer(self, served_model: str, served_path: Path | str) -> int:
         """How many layers of the served model (named ``served_model``, its checkpoint folder at
         ``served_path``) yield this predictor's

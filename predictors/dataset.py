@@ -16,6 +16,7 @@ labelling run cut short (a prefix of the pool) still splits about 80/20.
 from __future__ import annotations
 
 import hashlib
+import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,9 +89,24 @@ def require_file(field: str, path: Path | str) -> None:
         raise FileNotFoundError(f"field {field!r}: no such file {str(path)!r}")
 
 
-def _jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    from aserve.trace_formats import iter_jsonl
+def iter_jsonl(path, error: type = ValueError) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line of a JSONL file; a line that is not a JSON
+    object raises ``error`` naming the file and line. Shared by prompts, labels and
+    the server's trace reader."""
+    with open(path) as f:
+        for i, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise error(f"{path}:{i}: not JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise error(f"{path}:{i}: a line must be a JSON object")
+            yield i, obj
 
+
+def _jsonl(path: Path) -> Iterator[tuple[int, dict]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {str(path)!r}")

@@ -21,13 +21,14 @@ Output (``aserve predictor eval --json FILE``)::
   ``none`` answers the full range, reported as the last bucket.
 - ``from_prefill_latency_ms_p50/p99`` (``lm`` on the default model): one prediction when the
   served prefill hands the predictor its backbone's features (the head alone; the server does
-  this for chat requests, aserve/online_predictor.py).
+  this for chat requests, aserve/predict/online.py).
 - ``memory_mb``: what the predictor holds (weights, vectorisers, index), not the process;
   ``rss_delta_mb``: the process's resident-set growth while loading and warming it up.
-- ``prefill_overlap`` (top level, with ``prefill_overlap=True``; measured once, at granularity
-  200 or the first one asked): the served model's prefill of a 512-token chunk alone and while
-  the predictor predicts non-stop on another thread (``predictors/overlap.py``); null for
-  backends that answer inline (``none``, ``oracle``), which the server runs on no thread.
+- ``prefill_overlap`` (top level, when a ``prefill_overlap`` measurement is given; measured once,
+  at granularity 200 or the first one asked): what ``prefill_overlap(predictor, requests)``
+  returns; the server's command passes the served model's prefill of a 512-token chunk timed
+  alone and while the predictor predicts non-stop on another thread (aserve/predict/overlap.py).
+  Null for backends that answer inline (``none``, ``oracle``), which the server runs on no thread.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -174,7 +175,7 @@ def evaluate_backend(backend: str, prompts: Path | str = DEFAULT_PROMPTS, labels
                      granularities: Sequence[int] = GRANULARITIES, model_dir: Optional[Path] = None,
                      retrain: bool = False, options: Optional[dict] = None, test_fraction: float = TEST_FRACTION,
                      batch_size: int = 32, latency_samples: int = 200, threads: int = 1,
-                     prefill_overlap: bool = False) -> dict:
+                     prefill_overlap: Optional[Callable] = None) -> dict:
     """Train (or load) and score ``backend`` at each granularity; the eval JSON as a dict.
 
     ``threads``: torch threads while measuring. One by default, as in the server, where the
@@ -210,10 +211,8 @@ def _evaluate(backend, prompts, labels, granularities, model_dir, retrain, optio
         row["memory_mb"] = round(predictor.memory_bytes() / 2**20, 2)
         row["rss_delta_mb"] = round(_rss_mb() - rss0, 1)
         row["trained"] = how
-        if prefill_overlap and g == overlap_g and not predictor.inline:
-            from predictors.overlap import prefill_slowdown
-
-            report["prefill_overlap"] = prefill_slowdown(predictor, requests)
+        if prefill_overlap is not None and g == overlap_g and not predictor.inline:
+            report["prefill_overlap"] = prefill_overlap(predictor, requests)
         if predictor.learns_online:  # last: it grows the predictor's state
             row["online_accuracy"] = online_accuracy(predictor, data.test)
         report["granularities"][str(g)] = row

@@ -3,7 +3,7 @@
 ``load_for_serving`` finds the backend a cluster uses (an artefact given, the one
 ``aserve predictor train`` caches, or one fitted now and cached); ``prompt_view`` is the request
 as a backend sees it (text clipped; decoded from the ids when the request has none). The online
-machinery around them (batching, timeouts, scoring) is ``aserve/online_predictor.py``.
+machinery around them (batching, timeouts, scoring) is ``aserve/predict/online.py``.
 """
 from __future__ import annotations
 

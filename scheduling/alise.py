@@ -24,7 +24,7 @@ that fits the token budget, the sequence cap and the device blocks::
   prefetched back when blocks are spare. When a better-ranked job needs blocks, the worst-ranked
   holders are evicted: swapped when the host has room, otherwise recomputed later.
 
-The scheduler only decides. ``AliseOutput.swap_out`` holds ``(device, host)`` block pairs and
+The scheduler only decides. The plan's ``swap_out`` holds ``(device, host)`` block pairs and
 ``swap_in`` ``(host, device)`` pairs; the runner copies swap-outs first, then swap-ins, then runs
 the forward (a block freed by a swap-out may be reused in the same step). Host blocks freed by
 a swap-in are released only after the step's swap-outs were chosen, so no host block is both
@@ -48,13 +48,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from scheduling.block_manager import BlockManager, blocks_needed
-from scheduling.clock import Clock, MonotonicClock
-from scheduling.coupled import POLICIES, CoupledScheduler, SchedulerOutput
+from scheduling.clock import Clock
+from scheduling.coupled import BatchingConfig, CoupledScheduler
 from scheduling.dispatch import predicted_max_output
 from scheduling.latency_model import LatencyModel
 from scheduling.request import Request, Status
+from scheduling.step import StepEvents, StepOutput, StepPlan
 
-ALL_POLICIES = POLICIES + ("alise",)
 KV_ACTIONS = ("keep", "swap_out", "swap_in", "recompute")
 
 
@@ -94,13 +94,6 @@ class KVDecision:
     ewt_s: Optional[float] = None
 
 
-@dataclass(frozen=True)
-class AliseOutput(SchedulerOutput):
-    swap_out: tuple[tuple[int, int], ...] = ()  # (device block, host block), copied first
-    swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block), copied second
-    kv_decisions: tuple[KVDecision, ...] = ()
-
-
 @dataclass
 class _Job:
     """Scheduler-private state of one request (``Request`` stays policy-neutral)."""
@@ -128,30 +121,28 @@ class _Step:
 
 
 class AliseScheduler(CoupledScheduler):
-    """ALISE in the coupled engine loop: ``add``, ``schedule``, ``update``, ``finish``, ``abort``
-    as ``CoupledScheduler``; ``schedule`` returns an ``AliseOutput``."""
+    """ALISE in the coupled engine loop; its plans carry swaps and ``kv_decisions``."""
 
-    policies = ("alise",)
+    name = "alise"
+    uses_swap = True
 
-    def __init__(self, blocks: BlockManager, policy: str = "alise", max_num_batched_tokens: int = 512,
-                 max_num_seqs: int = 256, *, config: AliseConfig = AliseConfig(),
-                 latency: LatencyModel = LatencyModel(), clock: Optional[Clock] = None,
-                 host_blocks: Optional[BlockManager] = None):
-        super().__init__(blocks, policy, max_num_batched_tokens, max_num_seqs)
+    def __init__(self, blocks: BlockManager, config: BatchingConfig = BatchingConfig(),
+                 clock: Optional[Clock] = None, *, host_blocks: Optional[BlockManager] = None,
+                 alise: AliseConfig = AliseConfig(), latency: LatencyModel = LatencyModel()):
+        super().__init__(blocks, config, clock)
         assert host_blocks is None or host_blocks.block_size == blocks.block_size
-        self.config, self.latency = config, latency
-        self.clock = clock or MonotonicClock()
+        self.alise, self.latency = alise, latency
         self.host = host_blocks
         self._jobs: dict[str, _Job] = {}
         self._seq = itertools.count()
         self.num_demotions = 0
 
     # ---- queue management -------------------------------------------------------------
-    def add(self, req: Request) -> None:
+    def add_request(self, req: Request) -> None:
         # a preemptive policy may have to run any job alone: all of it must fit the device
         if blocks_needed(req.max_total_tokens(), self.blocks.block_size) > self.blocks.num_blocks:
             raise ValueError(f"request {req.request_id} may outgrow the instance's KV blocks")
-        super().add(req)
+        super().add_request(req)
         self._jobs[req.request_id] = _Job(next(self._seq), predicted_max_output(req), self.clock.now())
 
     def finish(self, req: Request, reason: str) -> None:
@@ -162,14 +153,14 @@ class AliseScheduler(CoupledScheduler):
 
     # ---- ranking ------------------------------------------------------------------------
     def _promotions(self, job: _Job, now: float) -> int:
-        return 0 if job.wait_since is None else int((now - job.wait_since) // self.config.aging_s)
+        return 0 if job.wait_since is None else int((now - job.wait_since) // self.alise.aging_s)
 
     def _rank(self, req: Request, remaining_s: float, now: float) -> tuple:
-        job, top = self._jobs[req.request_id], self.config.num_levels - 1
+        job, top = self._jobs[req.request_id], self.alise.num_levels - 1
         promotions = self._promotions(job, now)
         if promotions > top:  # starving: above every level, oldest wait first
             return (-1, job.wait_since, job.seq)
-        level = min(top, self.config.level_of(remaining_s) + job.penalty)
+        level = min(top, self.alise.level_of(remaining_s) + job.penalty)
         return (max(0, level - job.boost - promotions), 0.0, job.seq)
 
     def level(self, request_id: str) -> int:
@@ -182,7 +173,7 @@ class AliseScheduler(CoupledScheduler):
         return self.latency.estimate_remaining(req, self._jobs[req.request_id].predicted)
 
     # ---- one step -----------------------------------------------------------------------
-    def schedule(self) -> AliseOutput:
+    def schedule(self) -> StepPlan:
         step = _Step(self.clock.now())
         remaining = {rid: self.remaining_s(r) for rid, r in self.requests.items()}
         order = sorted(self.running + list(self.waiting),
@@ -196,9 +187,8 @@ class AliseScheduler(CoupledScheduler):
         if self.host is not None:
             self.host.free(step.host_to_free)
         assert step.plan or not order, "the best-ranked job always fits"
-        assert sum(step.plan.values()) <= self.max_num_batched_tokens
-        return AliseOutput(step.plan, tuple(step.preempted), tuple(step.swap_out), tuple(step.swap_in),
-                           kv_decisions=tuple(step.decisions))
+        return self._to_plan(step.plan, step.preempted, swap_out=tuple(step.swap_out), swap_in=tuple(step.swap_in),
+                             kv_decisions=tuple(step.decisions))
 
     def _select(self, order: list[Request], step: _Step) -> set[str]:
         """The best-ranked jobs that fit: a prompt chunk or one decode token each."""
@@ -255,11 +245,11 @@ class AliseScheduler(CoupledScheduler):
         if rid in step.evicted:
             return  # already moved for a better-ranked job
         if req.block_ids:
-            if ewt_s >= self.config.swap_after_s and self._host_fits(len(req.block_ids)):
+            if ewt_s >= self.alise.swap_after_s and self._host_fits(len(req.block_ids)):
                 self._swap_out(req, step, ewt_s)
             elif req.status is Status.RUNNING:
                 step.decisions.append(KVDecision(rid, "keep", ewt_s))
-        elif job.host_ids and ewt_s < self.config.swap_after_s / 2:
+        elif job.host_ids and ewt_s < self.alise.swap_after_s / 2:
             # prefetch, leaving a block of growth for each job in the batch
             if len(job.host_ids) + num_selected <= self.blocks.num_free:
                 self._swap_in(req, step, ewt_s)
@@ -303,7 +293,7 @@ class AliseScheduler(CoupledScheduler):
             job = self._jobs[req.request_id]
             if req.request_id in selected:
                 if job.wait_since is not None:  # the wait ends: keep what it earned
-                    job.boost = min(self.config.num_levels, job.boost + self._promotions(job, now))
+                    job.boost = min(self.alise.num_levels, job.boost + self._promotions(job, now))
                     job.wait_since = None
                 req.status = Status.RUNNING
                 running.append(req)
@@ -315,29 +305,18 @@ class AliseScheduler(CoupledScheduler):
                 waiting.append(req)
         self.running, self.waiting = running, waiting
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, plan: StepPlan, output: StepOutput) -> StepEvents:
         """As ``CoupledScheduler.update``; a job past its predicted length is demoted one level
         and its prediction doubled."""
-        got = super().update(out, sampled)
-        for req in got:
+        events = super().update(plan, output)
+        for req in events.tokens:
             job = self._jobs[req.request_id]
             if req.num_output_tokens > job.predicted:
                 job.predicted = min(2 * job.predicted, req.sampling.max_tokens)
                 job.penalty += 1
                 self.num_demotions += 1
-        return got
+        return events
 
     def predicted_output(self, request_id: str) -> int:
         """The job's current output-token bound (after any doublings)."""
         return self._jobs[request_id].predicted
-
-
-def build_coupled(blocks: BlockManager, policy: str, max_num_batched_tokens: int = 512,
-                  max_num_seqs: int = 256, **alise_options) -> CoupledScheduler:
-    """The coupled scheduler for ``policy`` (one of ``ALL_POLICIES``); ``alise_options``
-    (config, latency, clock, host_blocks) go to ``AliseScheduler`` only."""
-    if policy in AliseScheduler.policies:
-        return AliseScheduler(blocks, policy, max_num_batched_tokens, max_num_seqs, **alise_options)
-    if alise_options:
-        raise ValueError(f"options {sorted(alise_options)} apply to the alise policy only")
-    return CoupledScheduler(blocks, policy, max_num_batched_tokens, max_num_seqs)

@@ -2,9 +2,9 @@
 
 Life of a request here::
 
-    allocate_incoming ─KV copy─► add_request ─► waiting ─admit─► running ─► finished
-                                                  ▲                │
-                                                  └─── preempt ────┘  (recompute | swap)
+    allocate_incoming ─KV copy─► accept_incoming ─► waiting ─admit─► running ─► finish
+    add_request (KV lost elsewhere) ───────────────────►  ▲                │
+                                                          └─── preempt ────┘  (recompute | swap)
 
 Every running request advances one token per step: it enters a step with ``num_computed_tokens
 == num_tokens - 1`` (the last sampled token's KV is not in the cache yet) and leaves it caught
@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Hashable, Iterable, Mapping, Optional
+from typing import Hashable, Iterable, Optional
 
+from scheduling.base import Scheduler
 from scheduling.block_manager import BlockManager, blocks_needed
-from scheduling.clock import Clock, MonotonicClock
+from scheduling.clock import Clock
 from scheduling.dispatch import DecodeLoad, is_heavy, predicted_max_output, predicted_total_blocks
 from scheduling.request import Request, Status
+from scheduling.step import EMPTY_PLAN, StepEvents, StepOutput, StepPlan, seq_step
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -46,38 +47,21 @@ class DecodeConfig:
             raise ValueError(f"bad decode config {self}")
 
 
-@dataclass(frozen=True)
-class DecodeSchedule:
-    """One decode step. The runner copies ``swap_out`` (device, host) pairs first, then
-    ``swap_in`` (host, device) pairs, then runs the forward: blocks freed by a swap-out may be
-    handed out again in the same step."""
-
-    num_scheduled_tokens: Mapping[str, int]  # batch order; 1, or prompt + output when recomputing
-    num_computed_tokens: Mapping[str, int]  # each request's first position in this step
-    block_ids: Mapping[str, tuple[int, ...]]  # block tables after this step's growth
-    preempted_ids: tuple[str, ...] = ()
-    swap_out: tuple[tuple[int, int], ...] = ()
-    swap_in: tuple[tuple[int, int], ...] = ()
-
-    def __post_init__(self):
-        assert self.num_scheduled_tokens.keys() == self.block_ids.keys()
-        assert not set(self.preempted_ids) & self.num_scheduled_tokens.keys()
-
-
-class DecodeScheduler:
+class DecodeScheduler(Scheduler):
     """Greedy admission (vLLM); subclasses override ``admits``.
 
-    Public: ``allocate_incoming``, ``add_request``, ``schedule``, ``update``, ``abort``, ``load``,
-    ``running_ids`` / ``waiting_ids`` / ``swapped_ids``, ``has_work``.
+    Besides the contract: ``allocate_incoming`` / ``accept_incoming`` (a KV hand-over),
+    ``reclaim_incoming``, ``load``, ``running_ids`` / ``waiting_ids`` / ``swapped_ids`` /
+    ``incoming_ids``.
     """
 
     name = "greedy"
+    role = "decode"
 
     def __init__(self, blocks: BlockManager, config: DecodeConfig = DecodeConfig(),
                  clock: Optional[Clock] = None):
-        self.blocks = blocks
+        super().__init__(blocks, clock)
         self.config = config
-        self.clock = clock or MonotonicClock()
         self.host = BlockManager(max(1, config.num_swap_blocks), blocks.block_size)
         self._requests: dict[str, Request] = {}
         self._incoming: dict[str, list[int]] = {}  # blocks reserved for KV still on the wire
@@ -85,7 +69,7 @@ class DecodeScheduler:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order: the newest is preempted first
         self._swapped: dict[str, list[int]] = {}  # host blocks of swapped-out requests
-        self._inflight: Optional[DecodeSchedule] = None
+        self._inflight: Optional[StepPlan] = None
         self.num_forced_admissions = 0  # admitted against the policy into an empty batch
 
     # --- arrival --------------------------------------------------------------------------
@@ -95,7 +79,7 @@ class DecodeScheduler:
         Refused while a preempted request waits for blocks (it must not starve behind new
         arrivals) and when the blocks would eat into what the policy reserves for the batch.
         ``request.block_ids`` is left alone (the prefill side still owns it until it releases);
-        ``add_request`` attaches these blocks once the KV has arrived.
+        ``accept_incoming`` attaches these blocks once the KV has arrived.
         """
         assert request.request_id not in self._requests, f"duplicate {request.request_id}"
         n = blocks_needed(request.num_computed_tokens, self.blocks.block_size)
@@ -108,7 +92,7 @@ class DecodeScheduler:
         self._incoming_at[request.request_id] = self.clock.now()
         return list(self._incoming[request.request_id])
 
-    def add_request(self, request: Request) -> None:
+    def accept_incoming(self, request: Request) -> None:
         """The prompt KV has fully arrived; the request carries its first sampled token."""
         request.block_ids = self._incoming.pop(request.request_id)
         self._incoming_at.pop(request.request_id, None)
@@ -116,7 +100,7 @@ class DecodeScheduler:
         request.status = Status.WAITING
         self._waiting.append(request)
 
-    def adopt(self, request: Request) -> None:
+    def add_request(self, request: Request) -> None:
         """Take over a request whose KV was lost on another instance (it failed): it waits like a
         recompute-preempted request, and its first step here recomputes prompt + output (the
         output streamed so far is kept, so generation goes on where it stopped)."""
@@ -151,25 +135,22 @@ class DecodeScheduler:
         return True
 
     # --- schedule -------------------------------------------------------------------------
-    def schedule(self) -> DecodeSchedule:
+    def schedule(self) -> StepPlan:
         """Grow running requests (preempting the newest when blocks run out), then admit."""
-        assert self._inflight is None, "update the previous step first"
+        assert self._inflight is None, "update with the previous step first"
         preempted: list[str] = []
         swap_out: list[tuple[int, int]] = []
         for request in list(self._running):
             if request.request_id not in preempted:
                 self._grow_or_preempt(request, preempted, swap_out)
         swap_in = [] if preempted else self._admit()  # no churn: nothing joins a step that preempts
-        schedule = DecodeSchedule(
-            num_scheduled_tokens=MappingProxyType(
-                {r.request_id: r.num_uncomputed_tokens for r in self._running}),
-            num_computed_tokens=MappingProxyType(
-                {r.request_id: r.num_computed_tokens for r in self._running}),
-            block_ids=MappingProxyType({r.request_id: tuple(r.block_ids) for r in self._running}),
-            preempted_ids=tuple(preempted), swap_out=tuple(swap_out), swap_in=tuple(swap_in))
-        if schedule.num_scheduled_tokens:
-            self._inflight = schedule
-        return schedule
+        # every running request catches up to its last token and samples the next
+        seqs = tuple(seq_step(r, r.num_computed_tokens, r.num_tokens, sample=True) for r in self._running)
+        plan = StepPlan(seqs, swap_out=tuple(swap_out), swap_in=tuple(swap_in), preempted_ids=tuple(preempted))
+        if plan.empty:
+            return EMPTY_PLAN
+        self._inflight = plan
+        return plan
 
     def _grow_or_preempt(self, request: Request, preempted: list, swap_out: list) -> None:
         while True:
@@ -237,27 +218,27 @@ class DecodeScheduler:
         self._running.append(request)
 
     # --- update ---------------------------------------------------------------------------
-    def update(self, schedule: DecodeSchedule, sampled: Mapping[str, int],
-               finished_ids: Iterable[str] = ()) -> list[Request]:
-        """The step ran: catch every scheduled request up, append its sampled token, then
-        retire ``finished_ids`` (the caller applied stop rules) and free their blocks."""
-        assert schedule is self._inflight, "update the schedule that is in flight"
+    def update(self, plan: StepPlan, output: StepOutput) -> StepEvents:
+        """The step ran: catch every scheduled request up and append its sampled token. The
+        instance applies the stop rules to ``StepEvents.tokens`` and ``finish``es the done ones."""
+        assert plan is self._inflight, "update with the plan that is in flight"
         self._inflight = None
-        now = self.clock.now()
-        for rid, n in schedule.num_scheduled_tokens.items():
-            request = self._requests.get(rid)
+        now, got = self.clock.now(), []
+        for s in plan.seqs:
+            request = self._requests.get(s.request_id)
             if request is None:
                 continue  # aborted while the step ran
-            assert request.num_computed_tokens == schedule.num_computed_tokens[rid]
-            request.num_computed_tokens += n
-            assert request.num_computed_tokens == request.num_tokens, rid
-            request.output_token_ids.append(sampled[rid])
+            assert request.num_computed_tokens == s.start_pos
+            request.num_computed_tokens = s.end_pos
+            assert request.num_computed_tokens == request.num_tokens, s.request_id
+            request.output_token_ids.append(output.sampled[s.request_id])
             request.token_times.append(now)
-        done = [self._retire(rid) for rid in finished_ids if rid in self._requests]
-        for request in done:
-            request.status = Status.FINISHED
-            request.times["finish"] = now
-        return done
+            got.append(request)
+        return StepEvents(tokens=tuple(got))
+
+    def finish(self, request: Request, reason: str) -> None:
+        self._retire(request.request_id)
+        request.status, request.finish_reason = Status.FINISHED, reason
 
     def abort(self, request_id: str) -> Optional[Request]:
         """Drop the request wherever it is (incoming, waiting, running, swapped) and free all."""
@@ -300,6 +281,14 @@ class DecodeScheduler:
     @property
     def swapped_ids(self) -> list[str]:
         return list(self._swapped)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def queue_lengths(self) -> tuple[int, int]:
+        """Waiting includes preempted requests; requests whose KV is still arriving are not counted."""
+        return len(self._waiting), len(self._running)
 
     def has_work(self) -> bool:
         return bool(self._running or self._waiting)

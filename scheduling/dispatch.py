@@ -14,14 +14,14 @@ from __future__ import annotations
 import dataclasses
 import random
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Optional
+from typing import Hashable, Iterable
 
 from scheduling.block_manager import blocks_needed
 from scheduling.request import Request
 
 
 class NoDecodeInstance(RuntimeError):
-    """Raised by ``choose`` when no decode instance is known and included."""
+    """Raised by ``choose`` when no decode instance is known."""
 
 
 def predicted_max_output(request: Request) -> int:
@@ -80,8 +80,8 @@ class DispatchConfig:
 class Dispatcher:
     """Base class: keeps the view of decode loads; subclasses implement ``pick``.
 
-    Use: ``update_loads(loads)`` on every broadcast, ``choose(request)`` per finished prefill,
-    ``exclude(id)`` / ``include(id)`` for draining or failed instances.
+    Use: ``update_loads(loads)`` on every broadcast (it lists the instances that may be chosen:
+    active decode instances only), ``choose(request)`` per finished prefill.
     """
 
     name = "base"
@@ -90,27 +90,16 @@ class Dispatcher:
         self.config = config
         self.rng = random.Random(config.seed)
         self._view: dict[Hashable, DecodeLoad] = {}
-        self._excluded: set[Hashable] = set()
 
     # --- view -----------------------------------------------------------------------------
     def update_loads(self, loads: Iterable[DecodeLoad]) -> None:
         """A new broadcast: it replaces the whole view, including what was added since."""
         self._view = {load.instance_id: load for load in loads}
 
-    def exclude(self, instance_id: Hashable) -> None:
-        """Never choose this instance (draining, failed) until ``include``."""
-        self._excluded.add(instance_id)
-
-    def include(self, instance_id: Hashable) -> None:
-        self._excluded.discard(instance_id)
-
     def view(self) -> tuple[DecodeLoad, ...]:
-        """The current view of every known instance, excluded ones too, sorted by id."""
+        """The current view of every known instance, sorted by id so that policies are
+        deterministic given a seed."""
         return tuple(self._view[i] for i in sorted(self._view, key=str))
-
-    def candidates(self) -> list[DecodeLoad]:
-        """Included instances, sorted by id so that policies are deterministic given a seed."""
-        return [load for load in self.view() if load.instance_id not in self._excluded]
 
     # --- choice ---------------------------------------------------------------------------
     def heavy(self, request: Request) -> bool:
@@ -118,11 +107,10 @@ class Dispatcher:
 
     def choose(self, request: Request) -> Hashable:
         """The decode instance for ``request``; adds the request to the view of that instance."""
-        loads = self.candidates()
+        loads = list(self.view())
         if not loads:
-            raise NoDecodeInstance("no decode instance is known and included")
+            raise NoDecodeInstance("no decode instance is known")
         chosen = self.pick(request, loads)
-        assert chosen.instance_id not in self._excluded
         self._add(chosen, request)
         return chosen.instance_id
 
@@ -215,7 +203,7 @@ class LeastLoadedDispatcher(Dispatcher):
 
 
 class ImbalanceDispatcher(Dispatcher):
-    """Every heavy decode to one instance (the first included by id), light ones least-loaded
+    """Every heavy decode to one instance (the first by id), light ones least-loaded
     among the others: the deliberately bad placement of the paper's Figure 19."""
 
     name = "imbalance"

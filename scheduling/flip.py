@@ -2,7 +2,7 @@
 
 The control plane's transition watcher calls ``decide(now, views)`` every few hundred ms with one
 ``InstanceView`` per instance and carries out at most one ``FlipDecision`` at a time (drain, then
-switch the role variable; see ``aserve.cluster.Cluster.flip``). Policies only decide: they never
+switch the role variable; see ``aserve.cluster.cluster.Cluster.flip``). Policies only decide: they never
 touch instances, so they are tested with made-up views and a fake clock.
 
 * ``off``   never flips.
@@ -153,14 +153,3 @@ class RatioFlipPolicy(FlipPolicy):
             victim = min(prefill, key=lambda v: (v.queued_tokens, v.id))
             return FlipDecision(victim.id, "decode", f"{share}: want {target} prefill instances")
         return None
-
-
-FLIP_POLICIES = {"off": FlipPolicy, "idle": IdleFlipPolicy, "ratio": RatioFlipPolicy}
-
-
-def make_flip_policy(name: str, **options) -> FlipPolicy:
-    try:
-        cls = FLIP_POLICIES[name]
-    except KeyError:
-        raise ValueError(f"bad flip policy {name!r}: choose one of {', '.join(FLIP_POLICIES)}") from None
-    return cls(**options)

@@ -10,22 +10,24 @@ tokens; a prompt may span chunks and several short prompts may share one::
     chunk (chunk_size = 16):  | a[8:12) | b[0:6)  | c[0:3)  | pad x3 |
                                  a ends    b ends    c goes on next chunk
 
-Contract, vLLM-v1 style: ``plan_chunk()`` returns a frozen ``ChunkPlan`` (``{request_id:
-num_tokens}`` as slices, plus block tables) and allocates the blocks it needs; after the chunk ran,
-``commit(plan, sampled)`` moves each request's ``num_computed_tokens`` on. One plan is in flight
-at a time. Prompts whose last token was computed wait in ``finished_prefills`` with their blocks
-until ``release`` (KV handed to a decode instance) or ``abort``.
+It keeps the scheduler contract (scheduling/base.py): ``schedule()`` returns the chunk as a
+``StepPlan`` (one ``SeqStep`` per slice, then the padding) and allocates the blocks it needs;
+``update(plan, output)`` moves each request's ``num_computed_tokens`` on. One plan is in flight at
+a time. Prompts whose last token was computed wait in ``finished_prefills`` with their blocks
+until ``release`` (KV handed to a decode instance), ``finish`` (their first token was the last)
+or ``abort``.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Mapping, Optional
 
+from scheduling.base import Scheduler
 from scheduling.block_manager import BlockManager, blocks_needed
-from scheduling.clock import Clock, MonotonicClock
+from scheduling.clock import Clock
 from scheduling.request import Request, Status
+from scheduling.step import EMPTY_PLAN, StepEvents, StepOutput, StepPlan, seq_step
 
 
 @dataclass(frozen=True)
@@ -39,68 +41,25 @@ class PrefillConfig:
             raise ValueError(f"chunk_size and sched_batch must be >= 1, got {self}")
 
 
-@dataclass(frozen=True)
-class ChunkSlice:
-    """Prompt positions ``[start, start + num_tokens)`` of one request inside a chunk."""
-
-    request_id: str
-    start: int
-    num_tokens: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-
-@dataclass(frozen=True)
-class ChunkPlan:
-    """One chunk: slices in chunk order, then ``num_pad_tokens`` padding slots.
-
-    ``block_ids`` is the full block table of every sliced request after this plan's growth;
-    ``new_block_ids`` the blocks this plan allocated; ``finishing_ids`` the requests whose prompt
-    ends in this chunk (the runner samples their first token).
-    """
-
-    chunk_size: int
-    slices: tuple[ChunkSlice, ...]
-    block_ids: Mapping[str, tuple[int, ...]]
-    new_block_ids: Mapping[str, tuple[int, ...]]
-    finishing_ids: tuple[str, ...]
-    num_pad_tokens: int
-
-    def __post_init__(self):
-        assert self.num_real_tokens + self.num_pad_tokens <= self.chunk_size, self
-        assert len({s.request_id for s in self.slices}) == len(self.slices), "one slice a request"
-
-    @property
-    def num_real_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.slices)
-
-    @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        """``{request_id: num_tokens}`` in chunk order."""
-        return {s.request_id: s.num_tokens for s in self.slices}
-
-
-class PrefillScheduler:
+class PrefillScheduler(Scheduler):
     """FCFS base; subclasses change only ``order_group``.
 
-    Public: ``add_request``, ``plan_chunk``, ``commit``, ``abort``, ``release``,
-    ``finished_prefills``, ``raw_ids`` / ``scheduled_ids``, ``num_queued_tokens``, ``has_work``.
+    Besides the contract: ``release``, ``take_unstarted``, ``finished_prefills``, ``raw_ids`` /
+    ``scheduled_ids``.
     """
 
     name = "fcfs"
+    role = "prefill"
 
     def __init__(self, blocks: BlockManager, config: PrefillConfig = PrefillConfig(),
                  clock: Optional[Clock] = None):
-        self.blocks = blocks
+        super().__init__(blocks, clock)
         self.config = config
-        self.clock = clock or MonotonicClock()
         self._requests: dict[str, Request] = {}  # every request this instance holds
         self._raw: deque[Request] = deque()
         self._scheduled: deque[Request] = deque()
         self._finished: dict[str, Request] = {}  # prompt computed, blocks held until release
-        self._inflight: Optional[ChunkPlan] = None
+        self._inflight: Optional[StepPlan] = None
 
     # --- queues ---------------------------------------------------------------------------
     def order_group(self, group: list[Request]) -> list[Request]:
@@ -144,15 +103,23 @@ class PrefillScheduler:
         queued = list(self._raw) + list(self._scheduled)
         return sum(r.num_prompt_tokens - r.num_computed_tokens for r in queued)
 
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def queue_lengths(self) -> tuple[int, int]:
+        """Waiting: not yet in a sched batch; running: chunked, or computed and awaiting the handoff."""
+        return len(self._raw), len(self._scheduled) + len(self._finished)
+
     def has_work(self) -> bool:
         return bool(self._raw or self._scheduled)
 
-    # --- plan / commit --------------------------------------------------------------------
-    def plan_chunk(self) -> Optional[ChunkPlan]:
-        """Plan the next chunk and allocate its blocks; None when nothing can run now."""
-        assert self._inflight is None, "commit the previous chunk first"
+    # --- schedule / update ----------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Plan the next chunk and allocate its blocks; empty when nothing can run now."""
+        assert self._inflight is None, "update with the previous chunk first"
         budget = self.config.chunk_size
-        slices, new_blocks = [], {}
+        slices: list[tuple[Request, int]] = []
         i = 0
         while budget > 0 and (i < len(self._scheduled) or self._refill()):
             request = self._scheduled[i]
@@ -161,16 +128,15 @@ class PrefillScheduler:
             n = self._fit_blocks(request, want)
             if n == 0:
                 break  # out of blocks: this request waits, and so does everyone behind it
-            new_blocks[request.request_id] = tuple(
-                self.blocks.grow(request.block_ids, request.num_computed_tokens + n))
-            slices.append(ChunkSlice(request.request_id, request.num_computed_tokens, n))
+            self.blocks.grow(request.block_ids, request.num_computed_tokens + n)
+            slices.append((request, n))
             budget -= n
             self._mark_scheduled(request)
             if n < want:
                 break  # took the last free blocks
         if not slices:
-            return None
-        return self._make_plan(slices, new_blocks, budget)
+            return EMPTY_PLAN
+        return self._make_plan(slices, budget)
 
     def _fit_blocks(self, request: Request, want: int) -> int:
         """Tokens of ``want`` that the request's blocks plus the free blocks can hold."""
@@ -181,50 +147,46 @@ class PrefillScheduler:
         request.status = Status.RUNNING
         request.times.setdefault("scheduled", self.clock.now())
 
-    def _make_plan(self, slices: list[ChunkSlice], new_blocks: dict, budget: int) -> ChunkPlan:
-        tables = {s.request_id: tuple(self._requests[s.request_id].block_ids) for s in slices}
-        finishing = tuple(s.request_id for s in slices
-                          if s.end == self._requests[s.request_id].num_prompt_tokens)
-        plan = ChunkPlan(
-            chunk_size=self.config.chunk_size,
-            slices=tuple(slices),
-            block_ids=MappingProxyType(tables),
-            new_block_ids=MappingProxyType(new_blocks),
-            finishing_ids=finishing,
-            num_pad_tokens=budget if self.config.pad else 0,
-        )
-        assert plan.num_real_tokens <= self.config.chunk_size, plan
+    def _make_plan(self, slices: list[tuple[Request, int]], budget: int) -> StepPlan:
+        seqs, tap_layer = [], 0
+        for request, n in slices:
+            start = request.num_computed_tokens
+            last = start + n == request.num_prompt_tokens  # the first output token is sampled
+            tap = last and request.feature_layer > 0  # the length predictor reads the prompt's last token
+            tap_layer = max(tap_layer, request.feature_layer if tap else 0)
+            seqs.append(seq_step(request, start, start + n, sample=last, tap=tap))
+        plan = StepPlan(tuple(seqs), num_pad_tokens=budget if self.config.pad else 0, tap_layer=tap_layer)
+        assert plan.num_real_tokens + plan.num_pad_tokens <= self.config.chunk_size, plan
         self._inflight = plan
         return plan
 
-    def commit(self, plan: ChunkPlan, sampled: Optional[Mapping[str, int]] = None) -> list[Request]:
-        """The chunk ran: advance progress; ``sampled`` holds first tokens of finishing requests.
-
-        Returns the requests whose prompt just completed (now in ``finished_prefills``).
-        Slices of requests aborted while the chunk ran are skipped.
-        """
-        assert plan is self._inflight, "commit the plan that is in flight"
+    def update(self, plan: StepPlan, output: StepOutput) -> StepEvents:
+        """The chunk ran: advance progress; ``output.sampled`` holds the first token of each
+        request whose prompt ended in it. Those are ``StepEvents.prefilled`` (and ``tokens``),
+        now in ``finished_prefills``. Slices of requests aborted meanwhile are skipped."""
+        assert plan is self._inflight, "update with the plan that is in flight"
         self._inflight = None
-        done = []
-        for s in plan.slices:
+        now, done = self.clock.now(), []
+        for s in plan.seqs:
             request = self._requests.get(s.request_id)
             if request is None:
                 continue
-            assert request.num_computed_tokens == s.start, (s, request.num_computed_tokens)
-            request.num_computed_tokens = s.end
-            assert blocks_needed(s.end, self.blocks.block_size) <= len(request.block_ids)
-            if s.end == request.num_prompt_tokens:
-                self._finish_prefill(request, sampled)
+            assert request.num_computed_tokens == s.start_pos, (s, request.num_computed_tokens)
+            request.num_computed_tokens = s.end_pos
+            request.times.setdefault("chunks", []).append((now, s.num_tokens))  # (end time, its tokens)
+            assert blocks_needed(s.end_pos, self.blocks.block_size) <= len(request.block_ids)
+            if s.end_pos == request.num_prompt_tokens:
+                self._finish_prefill(request, output.sampled)
                 done.append(request)
         if done:
             self._scheduled = deque(
                 r for r in self._scheduled if r.request_id not in self._finished)
-        return done
+        return StepEvents(tokens=tuple(r for r in done if r.request_id in output.sampled), prefilled=tuple(done))
 
-    def _finish_prefill(self, request: Request, sampled: Optional[Mapping[str, int]]) -> None:
+    def _finish_prefill(self, request: Request, sampled: Mapping[str, int]) -> None:
         request.status = Status.TRANSFERRING
         request.times["prefill_done"] = self.clock.now()
-        if sampled is not None:
+        if request.request_id in sampled:
             request.output_token_ids.append(sampled[request.request_id])
             request.times.setdefault("first_token", self.clock.now())
         self._finished[request.request_id] = request
@@ -237,10 +199,15 @@ class PrefillScheduler:
         self._free(request)
         return request
 
+    def finish(self, request: Request, reason: str) -> None:
+        """Its first token was its last: nothing to hand over, free the blocks here."""
+        self.release(request.request_id)
+        request.status, request.finish_reason = Status.FINISHED, reason
+
     def take_unstarted(self) -> list[Request]:
         """Remove and return the queued requests no chunk has touched yet (they hold no KV):
         a draining instance hands them to its peers instead of computing them itself."""
-        planned = {s.request_id for s in self._inflight.slices} if self._inflight is not None else set()
+        planned = set(self._inflight.num_scheduled_tokens) if self._inflight is not None else set()
         taken = [r for r in list(self._raw) + list(self._scheduled)
                  if r.num_computed_tokens == 0 and not r.block_ids and r.request_id not in planned]
         ids = {r.request_id for r in taken}

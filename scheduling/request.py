@@ -83,7 +83,7 @@ class Request:
     error: Optional[str] = None
     predicted: Optional[LengthRange] = None
     # > 0: the length predictor reads the prompt's last-token hidden state after this many layers
-    # from this request's own prefill (aserve/online_predictor.py, "prefill features")
+    # from this request's own prefill (aserve/predict/online.py, "prefill features")
     feature_layer: int = 0
     num_preemptions: int = 0
     # timestamps (clock seconds): scheduled, first_token, finish; token_times has one per output token

@@ -14,8 +14,8 @@ import threading
 import time
 from typing import Optional
 
-from aserve.api import ApiServer, ServerSettings
-from aserve.cluster import Cluster
+from aserve.api.server import ApiServer, ServerSettings
+from aserve.cluster.cluster import Cluster
 from aserve.config import ClusterConfig, EngineConfig
 
 # bf16 on this CPU (auto); 0.25 GiB of KV per instance is ~700 blocks of 16 tokens for SmolLM2-135M.
@@ -26,7 +26,7 @@ ENGINE = EngineConfig(kv_cache_gb=0.25, num_threads=1)
 
 @functools.lru_cache(maxsize=1)
 def bundle():
-    from aserve.engine import ModelBundle
+    from aserve.engine.bundle import ModelBundle
 
     return ModelBundle.load(ENGINE)
 

@@ -24,6 +24,6 @@ def pytest_collection_modifyitems(config, items):
 def default_bundle_fp32():
     """The real default model in float32 (loaded once per test session)."""
     from aserve.config import EngineConfig
-    from aserve.engine import ModelBundle
+    from aserve.engine.bundle import ModelBundle
 
     return ModelBundle.load(EngineConfig(dtype="fp32", attention="reference"))

@@ -6,12 +6,15 @@ import math
 
 import pytest
 
-from scheduling.alise import AliseConfig, AliseScheduler, build_coupled
+from scheduling import registry
+from scheduling.alise import AliseConfig, AliseScheduler
 from scheduling.block_manager import BlockManager
 from scheduling.clock import FakeClock
+from scheduling.coupled import BatchingConfig
 from scheduling.latency_model import LatencyModel, fit
 from scheduling.request import LengthRange, Request, SamplingParams, Status
 from scheduling.stalls import count_stalls
+from scheduling.step import StepOutput
 from tests.test_batching_invariants import Workload, assert_all_done, drive
 
 SLOW = LatencyModel(t0=0.01, alpha=0.0, beta=1.0)  # one second a decode step: levels by tokens
@@ -19,8 +22,8 @@ SLOW = LatencyModel(t0=0.01, alpha=0.0, beta=1.0)  # one second a decode step: l
 
 def make(num_blocks=64, max_seqs=1, budget=64, host=64, latency=LatencyModel(), **config):
     clock = FakeClock()
-    sched = AliseScheduler(BlockManager(num_blocks, 4), "alise", budget, max_seqs, clock=clock,
-                           latency=latency, config=AliseConfig(**config),
+    sched = AliseScheduler(BlockManager(num_blocks, 4), BatchingConfig(budget, max_seqs), clock,
+                           latency=latency, alise=AliseConfig(**config),
                            host_blocks=BlockManager(host, 4) if host else None)
     return sched, clock
 
@@ -32,9 +35,9 @@ def req(rid, prompt=4, max_tokens=16, predicted=None):
 def step(sched, clock, dt=0.04):
     """One engine step with the fake model (token 1 whenever a request catches up)."""
     out = sched.schedule()
-    sampled = {rid: 1 for rid, n in out.num_scheduled.items()
+    sampled = {rid: 1 for rid, n in out.num_scheduled_tokens.items()
                if sched.requests[rid].num_computed_tokens + n == sched.requests[rid].num_tokens}
-    sched.update(out, sampled)
+    sched.update(out, StepOutput(sampled))
     clock.advance(dt)
     return out
 
@@ -93,7 +96,7 @@ def test_levels_and_config_checks():
 
 def test_waiting_promotes_one_level_per_aging_period_then_starves():
     sched, clock = make(latency=SLOW, aging_s=1.0)
-    sched.add(req("a", max_tokens=20))  # about 19 s left: the lowest level
+    sched.add_request(req("a", max_tokens=20))  # about 19 s left: the lowest level
     levels = []
     for _ in range(6):
         levels.append(sched.level("a"))
@@ -103,7 +106,7 @@ def test_waiting_promotes_one_level_per_aging_period_then_starves():
 
 def test_outgrown_prediction_is_doubled_and_demoted():
     sched, clock = make(latency=SLOW)
-    sched.add(req("a", max_tokens=24, predicted=LengthRange(0, 5)))  # bound: 4 tokens
+    sched.add_request(req("a", max_tokens=24, predicted=LengthRange(0, 5)))  # bound: 4 tokens
     seen = {}
     while sched.requests["a"].num_output_tokens < 20:
         step(sched, clock)
@@ -116,14 +119,14 @@ def test_outgrown_prediction_is_doubled_and_demoted():
 
 def test_higher_priority_arrival_preempts_and_kv_is_kept():
     sched, clock = make(latency=SLOW, swap_after_s=5.0)
-    sched.add(req("long", max_tokens=30))
+    sched.add_request(req("long", max_tokens=30))
     for _ in range(3):
         step(sched, clock)
     long = sched.requests["long"]
     blocks, computed = list(long.block_ids), long.num_computed_tokens
-    sched.add(req("short", max_tokens=2))
+    sched.add_request(req("short", max_tokens=2))
     out = step(sched, clock)
-    assert list(out.num_scheduled) == ["short"] and out.preempted_ids == ("long",)
+    assert list(out.num_scheduled_tokens) == ["short"] and out.preempted_ids == ("long",)
     assert [(d.request_id, d.action) for d in out.kv_decisions] == [("long", "keep")]
     assert long.status is Status.PREEMPTED and long.block_ids == blocks and long.num_computed_tokens == computed
     while "short" in sched.requests:
@@ -132,16 +135,16 @@ def test_higher_priority_arrival_preempts_and_kv_is_kept():
             continue
         step(sched, clock)
     out = step(sched, clock)
-    assert out.num_scheduled == {"long": 1} and not out.swap_in  # resumed from its own blocks
+    assert out.num_scheduled_tokens == {"long": 1} and not out.swap_in  # resumed from its own blocks
 
 
 def _preempt_long_for(sched, clock, short_tokens):
-    sched.add(req("long", prompt=8, max_tokens=30))
+    sched.add_request(req("long", prompt=8, max_tokens=30))
     for _ in range(3):
         step(sched, clock)
     long = sched.requests["long"]
     blocks, computed = list(long.block_ids), long.num_computed_tokens
-    sched.add(req("b", max_tokens=short_tokens))
+    sched.add_request(req("b", max_tokens=short_tokens))
     return step(sched, clock), long, blocks, computed
 
 
@@ -157,7 +160,7 @@ def test_long_expected_wait_swaps_out_then_prefetches_back():
     while prefetched is None:
         out = step(sched, clock)
         prefetched = next((d for d in out.kv_decisions if d.action == "swap_in"), None)
-    assert "long" not in out.num_scheduled and prefetched.ewt_s < 2.0  # back early, hysteresis
+    assert "long" not in out.num_scheduled_tokens and prefetched.ewt_s < 2.0  # back early, hysteresis
     assert [h for h, _ in out.swap_in] == host_ids and sched.host.num_used == 0
     assert [dev for _, dev in out.swap_in] == long.block_ids
 
@@ -180,12 +183,12 @@ def test_short_expected_wait_keeps_kv():
 def test_better_job_needing_blocks_evicts_the_worst_holder(host):
     """Blocks, not seats, run out: the holder's KV goes to host, or is dropped without one."""
     sched, clock = make(num_blocks=12, max_seqs=2, latency=SLOW, host=host, swap_after_s=100.0)
-    sched.add(req("long", prompt=24, max_tokens=16))  # 7 blocks once decoding
+    sched.add_request(req("long", prompt=24, max_tokens=16))  # 7 blocks once decoding
     step(sched, clock)
     step(sched, clock)
-    sched.add(req("b", prompt=28, max_tokens=2))  # 7 blocks for its prompt: only 5 are free
+    sched.add_request(req("b", prompt=28, max_tokens=2))  # 7 blocks for its prompt: only 5 are free
     out = step(sched, clock)
-    assert "b" in out.num_scheduled and "long" in out.preempted_ids
+    assert "b" in out.num_scheduled_tokens and "long" in out.preempted_ids
     (d,) = [d for d in out.kv_decisions if d.request_id == "long"]
     assert d.ewt_s is None and d.action == ("swap_out" if host else "recompute")
     assert sched.requests["long"].num_computed_tokens == (25 if host else 0)
@@ -206,20 +209,19 @@ def test_aging_bounds_every_wait(aging_s):
     work = _stream(40)
     run = drive(sched, work, clock, dt=0.04)
     assert_all_done(sched, work)
-    bound = sched.config.aging_bound_s(0.04, run.max_in_system)
+    bound = sched.alise.aging_bound_s(0.04, run.max_in_system)
     if math.isinf(aging_s):  # without aging the long job waits out the whole stream
         assert run.waits["long"] > 40 * 5 * 0.04 - 0.1
     else:
         assert max(run.waits.values()) <= bound < 40 * 5 * 0.04 - 0.1
 
 
-def test_build_coupled_and_admission_checks():
+def test_batching_registry_and_admission_checks():
     blocks = BlockManager(8, 4)
-    assert type(build_coupled(blocks, "sarathi")).__name__ == "CoupledScheduler"
-    with pytest.raises(ValueError):
-        build_coupled(blocks, "vllm", clock=FakeClock())
-    with pytest.raises(ValueError):
-        build_coupled(blocks, "fifo")
-    sched = build_coupled(blocks, "alise", clock=FakeClock())
+    assert type(registry.get("batching", "sarathi")(blocks)).__name__ == "SarathiScheduler"
+    assert registry.names("batching") == ("sarathi", "vllm", "alise")
+    with pytest.raises(ValueError, match="sarathi, vllm, alise"):
+        registry.get("batching", "fifo")
+    sched = registry.get("batching", "alise")(blocks, clock=FakeClock())
     with pytest.raises(ValueError):  # 8 blocks hold 32 tokens; 4 + 40 may not fit
-        sched.add(req("big", max_tokens=40))
+        sched.add_request(req("big", max_tokens=40))

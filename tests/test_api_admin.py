@@ -6,7 +6,7 @@ import threading
 import openai
 import pytest
 
-from aserve.api import ServerSettings
+from aserve.api.server import ServerSettings
 from aserve.config import ClusterConfig
 from tests.api_support import ServerThread
 

@@ -3,8 +3,8 @@ import functools
 
 from hypothesis import given, settings, strategies as st
 
-from aserve.detok import IncrementalDetokenizer
-from aserve.output import StopChecker
+from aserve.api.detok import IncrementalDetokenizer
+from aserve.engine.stops import StopChecker
 from scheduling.request import Request, SamplingParams
 
 EOS = 2

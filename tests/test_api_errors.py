@@ -9,7 +9,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from aserve.api import ServerSettings
+from aserve.api.server import ServerSettings
 from aserve.config import ClusterConfig
 from tests.api_support import ServerThread
 

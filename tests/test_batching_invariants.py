@@ -13,10 +13,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from scheduling.alise import AliseConfig, build_coupled
+from scheduling import registry
+from scheduling.alise import AliseConfig, AliseScheduler
 from scheduling.block_manager import BlockManager
 from scheduling.clock import FakeClock
+from scheduling.coupled import BatchingConfig
 from scheduling.request import LengthRange, Request, SamplingParams
+from scheduling.step import StepOutput
 
 BLOCK_SIZE = 4
 MIXES = {  # (prompt tokens, output tokens) ranges
@@ -67,9 +70,9 @@ class FakeKV:
                 dst[b * self.bs + off] = src.get(a * self.bs + off)
 
     def execute(self, out, requests: dict[str, Request]) -> None:
-        self._copy(self.device, self.host, getattr(out, "swap_out", ()))
-        self._copy(self.host, self.device, getattr(out, "swap_in", ()))
-        for rid, n in out.num_scheduled.items():
+        self._copy(self.device, self.host, out.swap_out)
+        self._copy(self.host, self.device, out.swap_in)
+        for rid, n in out.num_scheduled_tokens.items():
             req = requests[rid]
             for pos in range(req.num_computed_tokens + n):
                 slot = req.block_ids[pos // self.bs] * self.bs + pos % self.bs
@@ -97,15 +100,15 @@ def drive(sched, work: Workload, clock: FakeClock, dt: float = 0.04, check=None,
     pending = sorted(work.reqs, key=lambda r: work.arrive[r.request_id])
     table = {r.request_id: r for r in work.reqs}
     waiting_since: dict[str, float] = {}
-    while pending or sched.has_work:
+    while pending or sched.has_work():
         assert step < max_steps, "no progress"
         while pending and work.arrive[pending[0].request_id] <= step:
             req = pending.pop(0)
-            sched.add(req)
+            sched.add_request(req)
             waiting_since[req.request_id] = clock.now()
         _abort(sched, work, step, mid=False)
         run.max_in_system = max(run.max_in_system, len(sched.requests))
-        if sched.has_work:
+        if sched.has_work():
             before = {rid: (r.in_prefill, r.status) for rid, r in sched.requests.items()}
             out = sched.schedule()
             _track_waits(sched, out, clock.now(), waiting_since, run.waits)
@@ -113,9 +116,9 @@ def drive(sched, work: Workload, clock: FakeClock, dt: float = 0.04, check=None,
                 check(sched, out, before)
             kv.execute(out, table)
             _abort(sched, work, step, mid=True)
-            sampled = {rid: 1 for rid, n in out.num_scheduled.items()
+            sampled = {rid: 1 for rid, n in out.num_scheduled_tokens.items()
                        if table[rid].num_computed_tokens + n == table[rid].num_tokens}
-            got = sched.update(out, sampled)
+            got = sched.update(out, StepOutput(sampled)).tokens
             run.outputs.append(out)
             clock.advance(dt)
             for req in got:
@@ -140,7 +143,7 @@ def _track_waits(sched, out, now: float, waiting_since: dict, waits: dict) -> No
     """A wait runs from arrival, or from the first step a request is left out, until the step
     that schedules it again."""
     for rid in sched.requests:
-        if rid in out.num_scheduled:
+        if rid in out.num_scheduled_tokens:
             if rid in waiting_since:
                 waits[rid] = max(waits.get(rid, 0.0), now - waiting_since.pop(rid))
         else:
@@ -149,11 +152,11 @@ def _track_waits(sched, out, now: float, waiting_since: dict, waits: dict) -> No
 
 def make_scheduler(policy: str, num_blocks: int = 48, budget: int = 32, max_seqs: int = 8,
                    clock: FakeClock | None = None, host_blocks: int = 32, **config):
-    blocks = BlockManager(num_blocks, BLOCK_SIZE)
+    blocks, batching = BlockManager(num_blocks, BLOCK_SIZE), BatchingConfig(budget, max_seqs)
     if policy != "alise":
-        return build_coupled(blocks, policy, budget, max_seqs)
-    return build_coupled(blocks, "alise", budget, max_seqs, clock=clock, config=AliseConfig(**config),
-                         host_blocks=BlockManager(host_blocks, BLOCK_SIZE) if host_blocks else None)
+        return registry.get("batching", policy)(blocks, batching)
+    return AliseScheduler(blocks, batching, clock, alise=AliseConfig(**config),
+                          host_blocks=BlockManager(host_blocks, BLOCK_SIZE) if host_blocks else None)
 
 
 def assert_all_done(sched, work: Workload) -> None:
@@ -171,13 +174,13 @@ def assert_all_done(sched, work: Workload) -> None:
 # ---- sarathi ------------------------------------------------------------------------------
 def check_stall_free(sched, out, before) -> None:
     """Within budget, and every request decoding before the step is in it or was preempted."""
-    assert out.total_tokens <= sched.max_num_batched_tokens
+    assert out.num_real_tokens <= sched.max_num_batched_tokens
     for rid, (in_prefill, status) in before.items():
         if status.name == "RUNNING" and not in_prefill:
-            assert rid in out.num_scheduled or rid in out.preempted_ids, f"decode {rid} stalled"
+            assert rid in out.num_scheduled_tokens or rid in out.preempted_ids, f"decode {rid} stalled"
     for req in sched.running:
         if req.num_uncomputed_tokens == 1:
-            assert req.request_id in out.num_scheduled
+            assert req.request_id in out.num_scheduled_tokens
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -200,7 +203,7 @@ def test_sarathi_preempts_under_block_pressure():
 
 # ---- vllm ---------------------------------------------------------------------------------
 def check_prefill_or_decode(sched, out, before) -> None:
-    kinds = {before[rid][0] for rid in out.num_scheduled}
+    kinds = {before[rid][0] for rid in out.num_scheduled_tokens}
     assert len(kinds) <= 1, "vllm mixed prefill and decode in one iteration"
 
 
@@ -210,21 +213,21 @@ def test_vllm_never_mixes_prefill_and_decode(seed, mix):
     sched, work = make_scheduler("vllm"), make_workload(seed, mix, abort_p=0.15)
     run = drive(sched, work, FakeClock(), check=check_prefill_or_decode)
     assert_all_done(sched, work)
-    assert any(len(o.num_scheduled) > 1 for o in run.outputs), "batches must form"
+    assert any(len(o.num_scheduled_tokens) > 1 for o in run.outputs), "batches must form"
 
 
 # ---- alise --------------------------------------------------------------------------------
 def check_alise(sched, out, before) -> None:
-    assert out.total_tokens <= sched.max_num_batched_tokens
-    assert len(out.num_scheduled) <= sched.max_num_seqs
-    assert not set(out.preempted_ids) & out.num_scheduled.keys()
+    assert out.num_real_tokens <= sched.max_num_batched_tokens
+    assert len(out.num_scheduled_tokens) <= sched.max_num_seqs
+    assert not set(out.preempted_ids) & out.num_scheduled_tokens.keys()
     for d in out.kv_decisions:  # the expected-wait rule (None: evicted for a better-ranked job)
         if d.action == "swap_out" and d.ewt_s is not None:
-            assert d.ewt_s >= sched.config.swap_after_s
+            assert d.ewt_s >= sched.alise.swap_after_s
         if d.action == "keep":  # kept though long: only when the host had no room (test_alise)
             assert d.ewt_s is not None
-        if d.action == "swap_in" and d.request_id not in out.num_scheduled:
-            assert d.ewt_s < sched.config.swap_after_s / 2  # prefetch
+        if d.action == "swap_in" and d.request_id not in out.num_scheduled_tokens:
+            assert d.ewt_s < sched.alise.swap_after_s / 2  # prefetch
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -235,7 +238,7 @@ def test_alise_invariants_and_aging_bound(seed, mix):
     work = make_workload(seed, mix, predict=True, abort_p=0.15)
     run = drive(sched, work, clock, dt=0.04, check=check_alise)
     assert_all_done(sched, work)
-    bound = sched.config.aging_bound_s(0.04, run.max_in_system)
+    bound = sched.alise.aging_bound_s(0.04, run.max_in_system)
     assert max(run.waits.values()) <= bound
 
 
@@ -257,16 +260,16 @@ def test_abort_everything_mid_run_frees_all_blocks(policy):
     clock = FakeClock()
     sched, work = make_scheduler(policy, clock=clock), make_workload(7, "mixed", predict=True, spread=5)
     for req in work.reqs:
-        sched.add(req)
+        sched.add_request(req)
     for _ in range(15):
         out = sched.schedule()
-        sched.update(out, {rid: 1 for rid, n in out.num_scheduled.items()
-                           if sched.requests[rid].num_computed_tokens + n == sched.requests[rid].num_tokens})
+        sched.update(out, StepOutput({rid: 1 for rid, n in out.num_scheduled_tokens.items()
+                                      if sched.requests[rid].num_computed_tokens + n == sched.requests[rid].num_tokens}))
         clock.advance(0.04)
     out = sched.schedule()  # a step in flight when everything is aborted
     for req in work.reqs:
         assert sched.abort(req.request_id)
-    assert sched.update(out, {rid: 1 for rid in out.num_scheduled}) == []
+    assert sched.update(out, StepOutput({rid: 1 for rid in out.num_scheduled_tokens})).tokens == ()
     assert sched.blocks.num_free == sched.blocks.num_blocks
     assert getattr(sched, "host", None) is None or sched.host.num_free == sched.host.num_blocks
-    assert not sched.has_work
+    assert not sched.has_work()

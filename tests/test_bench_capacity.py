@@ -1,10 +1,9 @@
 """``aserve bench capacity``: the bisection and the SLO judgement alone, then one real run."""
-import argparse
 import json
 
 import pytest
 
-from aserve.bench_capacity import Probe, bisect_capacity, judge
+from aserve.bench.capacity import Probe, bisect_capacity, judge
 
 
 def fake(limit: float, seen: list):
@@ -39,11 +38,9 @@ def test_judge_needs_every_request_and_both_slos():
 
 
 def capacity_args(*argv):
-    from aserve.bench_capacity import add_capacity_parser
+    from aserve.commands import build_parser
 
-    p = argparse.ArgumentParser(prog="aserve")
-    add_capacity_parser(p.add_subparsers(dest="command").add_parser("bench").add_subparsers(dest="bench"))
-    return p.parse_args(["bench", "capacity", *map(str, argv)])
+    return build_parser().parse_args(["bench", "capacity", *map(str, argv)])
 
 
 def test_rate_is_searched_not_given(tmp_path):

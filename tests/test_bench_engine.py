@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from aserve.bench_engine import run_engine_bench
+from aserve.bench.engine import run_engine_bench
 from aserve.config import EngineConfig
 
 pytestmark = pytest.mark.slow

@@ -3,7 +3,7 @@ iteration really computes (more tokens take longer), and every block is given ba
 import pytest
 import torch
 
-from aserve.bench_interference import _Steps, measure, run_interference_bench
+from aserve.bench.interference import _Steps, measure, run_interference_bench
 from aserve.config import EngineConfig
 from tests.tiny import LLAMA, hf_model, make_runner, ours
 

@@ -5,9 +5,10 @@ import asyncio
 import pytest
 import torch
 
-from aserve.cluster import Cluster
+from aserve.cluster.cluster import Cluster
 from aserve.config import ClusterConfig, EngineConfig
-from aserve.engine import LLM, ModelBundle
+from aserve.engine.bundle import ModelBundle
+from aserve.engine.offline import LLM
 from scheduling.request import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -92,11 +93,11 @@ def test_decode_preemption_keeps_greedy_output(bundle, preemption):
 
 
 def test_cli_generate_disagg_equals_offline(capsys):
-    import cli
+    from aserve.commands import main
 
     q = ["generate", "--chat", "What is the capital of France?", "--max-tokens", "12", "--dtype", "fp32"]
-    assert cli.main(q) == 0
+    assert main(q) == 0
     offline = capsys.readouterr().out
-    assert cli.main(q + ["--mode", "disagg", "--prefill", "2", "--decode", "2"]) == 0
+    assert main(q + ["--mode", "disagg", "--prefill", "2", "--decode", "2"]) == 0
     assert capsys.readouterr().out == offline
     assert "Paris" in offline

@@ -8,6 +8,7 @@ from scheduling.clock import FakeClock
 from scheduling.decode import DecodeConfig
 from scheduling.registry import get
 from scheduling.request import LengthRange, Request, SamplingParams, Status
+from scheduling.step import StepOutput
 
 
 def make(policy="greedy", num_blocks=256, block_size=4, **config):
@@ -21,15 +22,28 @@ def arrive(sched, rid, num_prompt_tokens, max_tokens=64, predicted=None):
                 predicted=predicted)
     r.num_computed_tokens, r.output_token_ids = num_prompt_tokens, [7]
     assert sched.allocate_incoming(r) is not None
-    sched.add_request(r)
+    sched.accept_incoming(r)
     return r
 
 
+def update(sched, plan, finished_ids=()):
+    """Token 8 for everyone scheduled; ``finished_ids`` end there (the instance's stop check)."""
+    events = sched.update(plan, StepOutput({rid: 8 for rid in plan.num_scheduled_tokens}))
+    for r in events.tokens:
+        if r.request_id in finished_ids:
+            sched.finish(r, "stop")
+
+
 def step(sched, finished_ids=()):
-    schedule = sched.schedule()
-    if schedule.num_scheduled_tokens:
-        sched.update(schedule, {rid: 8 for rid in schedule.num_scheduled_tokens}, finished_ids)
-    return schedule
+    plan = sched.schedule()
+    if not plan.empty:
+        update(sched, plan, finished_ids)
+    return plan
+
+
+def starts(plan):
+    """Each scheduled request's first position in the step."""
+    return {s.request_id: s.start_pos for s in plan.seqs}
 
 
 def assert_no_leak(sched):
@@ -44,7 +58,7 @@ def test_continuous_batching_one_token_per_request_per_step():
     a, b = arrive(sched, "a", 5), arrive(sched, "b", 9)
     s = step(sched)
     assert dict(s.num_scheduled_tokens) == {"a": 1, "b": 1}
-    assert dict(s.num_computed_tokens) == {"a": 5, "b": 9}
+    assert starts(s) == {"a": 5, "b": 9}
     assert a.output_token_ids == [7, 8] and a.num_computed_tokens == 6 and a.status is Status.RUNNING
     c = arrive(sched, "c", 3)  # joins the running batch at the next step
     s = step(sched, finished_ids=["a"])
@@ -79,7 +93,7 @@ def test_greedy_preempts_newest_by_recompute_when_blocks_run_out():
     assert r2.output_token_ids == [7, 8]  # outputs stay; only the KV is gone
     step(sched, finished_ids=["r0", "r1"])
     s = step(sched)  # r2 reruns prompt + output in one step
-    assert dict(s.num_scheduled_tokens) == {"r2": 9, "r3": 9} and s.num_computed_tokens["r2"] == 0
+    assert dict(s.num_scheduled_tokens) == {"r2": 9, "r3": 9} and starts(s)["r2"] == 0
     assert r2.num_computed_tokens == 9 and r2.num_tokens == 10
     assert_no_leak(sched)
 
@@ -229,7 +243,7 @@ def test_reserve_policies_never_admit_what_they_predict_will_not_fit(policy):
             if t < 100 and rng.random() < 0.4:
                 r, length = random_arrival(rng, f"r{t}")
                 if sched.allocate_incoming(r) is not None:
-                    sched.add_request(r)
+                    sched.accept_incoming(r)
                     reqs[r.request_id], target[r.request_id] = r, length
             before = [reqs[rid] for rid in sched.running_ids]
             held_before = {rid: len(r.block_ids) for rid, r in reqs.items()}
@@ -239,8 +253,8 @@ def test_reserve_policies_never_admit_what_they_predict_will_not_fit(policy):
             check_admissions(policy, sched, before, admitted, held_before)
             if policy == "reserve-static" and not sched.num_forced_admissions:
                 assert not schedule.preempted_ids  # right predictions never overflow
-            if schedule.num_scheduled_tokens:
+            if not schedule.empty:
                 ids = list(schedule.num_scheduled_tokens)
                 done = [rid for rid in ids if reqs[rid].num_output_tokens + 1 >= target[rid]]
-                sched.update(schedule, {rid: 8 for rid in ids}, done)
+                update(sched, schedule, done)
         assert_no_leak(sched)

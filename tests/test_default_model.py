@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from aserve.config import EngineConfig
-from aserve.engine import LLM, PromptTooLong
+from aserve.engine.bundle import PromptTooLong
+from aserve.engine.offline import LLM
 from model import native
 from scheduling.request import SamplingParams
 from tests.tiny import make_runner, prefill_logits

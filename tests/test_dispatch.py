@@ -9,7 +9,9 @@ from scheduling.decode import DecodeConfig
 from scheduling.dispatch import (DecodeLoad, DispatchConfig, NoDecodeInstance, is_heavy,
                                  predicted_max_output)
 from scheduling.prefill import PrefillConfig
-from scheduling.registry import DISPATCH_POLICIES, get
+from scheduling import registry
+from scheduling.registry import get
+from scheduling.step import StepOutput
 from scheduling.request import LengthRange, Request, SamplingParams
 
 HEAVY, LIGHT = LengthRange(256, 512, bucket=2), LengthRange(0, 64, bucket=0)
@@ -35,7 +37,7 @@ def prefilled(rid, num_prompt_tokens, predicted, max_tokens=512):
 
 def send(decoder, request):
     assert decoder.allocate_incoming(request) is not None
-    decoder.add_request(request)  # the KV copy itself is netemu's business
+    decoder.accept_incoming(request)  # the KV copy itself is netemu's business
 
 
 def assert_no_leak(decoders):
@@ -82,20 +84,21 @@ def test_instances_without_room_are_avoided():
     assert dispatcher.choose(r) == "d1"  # nobody has room: most free blocks
 
 
-@pytest.mark.parametrize("policy", sorted(DISPATCH_POLICIES))
-def test_excluded_instances_are_never_chosen(policy):
+@pytest.mark.parametrize("policy", registry.names("dispatch"))
+def test_instances_left_out_of_the_broadcast_are_never_chosen(policy):
+    """The cluster broadcasts active decode instances only: a draining or failed one drops out."""
     decoders = pools(3)
     dispatcher = get("dispatch", policy)(DispatchConfig(seed=1))
-    broadcast(dispatcher, decoders)
-    dispatcher.exclude("d0")  # the first by id: imbalance's heavy target too
+    live = {iid: d for iid, d in decoders.items() if iid != "d0"}  # the first by id: imbalance's heavy target too
+    broadcast(dispatcher, live)
     rng = random.Random(5)
     for i in range(60):
         r = prefilled(f"r{i}", rng.randint(1, 64), rng.choice([HEAVY, LIGHT]))
         assert dispatcher.choose(r) != "d0"
-    dispatcher.exclude("d1"), dispatcher.exclude("d2")
+    broadcast(dispatcher, {})
     with pytest.raises(NoDecodeInstance):
         dispatcher.choose(prefilled("x", 4, LIGHT))
-    dispatcher.include("d2")
+    broadcast(dispatcher, {"d2": decoders["d2"]})
     assert dispatcher.choose(prefilled("y", 4, LIGHT)) == "d2"
     assert_no_leak(decoders)
 
@@ -149,12 +152,12 @@ def test_prefill_dispatch_decode_end_to_end_leaves_no_blocks():
     finished = []
     while prefill.has_work() or any(d.has_work() for d in decoders.values()):
         broadcast(dispatcher, decoders)
-        if (plan := prefill.plan_chunk()) is not None:
-            for r in prefill.commit(plan, {rid: 7 for rid in plan.finishing_ids}):
+        if not (plan := prefill.schedule()).empty:
+            for r in prefill.update(plan, StepOutput({rid: 7 for rid in plan.sampled_ids})).prefilled:
                 decoder = decoders[dispatcher.choose(r)]
                 assert decoder.allocate_incoming(r) is not None
                 prefill.release(r.request_id)  # KV copied: the prefill side lets go first
-                decoder.add_request(r)
+                decoder.accept_incoming(r)
         for decoder in decoders.values():
             finished += step(decoder, requests, target)
         clock.advance(0.01)
@@ -168,8 +171,10 @@ def step(decoder, requests, target):
     """One decode step with hand-made tokens; a request stops at its target length (>= 2: the
     first token came from the prefill instance)."""
     schedule = decoder.schedule()
-    if not schedule.num_scheduled_tokens:
+    if schedule.empty:
         return []
-    done = [rid for rid in schedule.num_scheduled_tokens
-            if requests[rid].num_output_tokens + 1 >= target[rid]]
-    return decoder.update(schedule, {rid: 8 for rid in schedule.num_scheduled_tokens}, done)
+    events = decoder.update(schedule, StepOutput({rid: 8 for rid in schedule.num_scheduled_tokens}))
+    done = [r for r in events.tokens if r.num_output_tokens >= target[r.request_id]]
+    for r in done:
+        decoder.finish(r, "stop")
+    return done

@@ -5,7 +5,9 @@ import pytest
 from scheduling.block_manager import BlockManager
 from scheduling.clock import FakeClock
 from scheduling.decode import DecodeScheduler
-from scheduling.flip import (IdleFlipPolicy, InstanceView, RatioFlipPolicy, make_flip_policy, other_role)
+from scheduling.step import StepOutput
+from scheduling import registry
+from scheduling.flip import IdleFlipPolicy, InstanceView, RatioFlipPolicy, other_role
 from scheduling.request import Request, SamplingParams
 
 
@@ -104,10 +106,11 @@ def test_idle_policy_flips_after_the_idle_window_towards_waiting_work():
 
 
 def test_policy_names_and_errors():
-    assert make_flip_policy("off").decide(0.0, []) is None
-    assert isinstance(make_flip_policy("ratio", window_s=3), RatioFlipPolicy)
-    with pytest.raises(ValueError, match="bad flip policy 'sideways'"):
-        make_flip_policy("sideways")
+    assert registry.get("flip", "off")().decide(0.0, []) is None
+    assert isinstance(registry.get("flip", "ratio")(window_s=3), RatioFlipPolicy)
+    assert registry.names("flip") == ("off", "idle", "ratio")
+    with pytest.raises(ValueError, match="unknown flip policy 'sideways'"):
+        registry.get("flip", "sideways")
     with pytest.raises(ValueError):
         RatioFlipPolicy(window_s=0)
     with pytest.raises(ValueError):
@@ -124,15 +127,16 @@ def _req(rid, prompt=20, out=3):
 def test_adopted_request_recomputes_prompt_and_output_in_one_step():
     sched = DecodeScheduler(BlockManager(64, 16), clock=FakeClock())
     r = _req("a", prompt=20, out=3)
-    sched.adopt(r)
+    sched.add_request(r)
     s = sched.schedule()
-    assert s.num_scheduled_tokens["a"] == 23 and s.num_computed_tokens["a"] == 0
-    sched.update(s, {"a": 7})
+    assert s.num_scheduled_tokens["a"] == 23 and s.seqs[0].start_pos == 0
+    sched.update(s, StepOutput({"a": 7}))
     assert r.output_token_ids[-1] == 7 and r.num_computed_tokens == 23
     s = sched.schedule()
     assert s.num_scheduled_tokens["a"] == 1
-    sched.update(s, {"a": 8}, finished_ids=["a"])
-    assert sched.blocks.num_free == 64
+    (got,) = sched.update(s, StepOutput({"a": 8})).tokens
+    sched.finish(got, "stop")
+    assert sched.blocks.num_free == 64 and got.finish_reason == "stop"
 
 
 def test_lease_reclaims_reservations_whose_kv_never_came():
@@ -157,11 +161,11 @@ def test_draining_prefill_hands_over_only_untouched_requests():
     a, b, c = (Request(r, list(range(1, 41)), SamplingParams(max_tokens=8)) for r in "abc")
     for r in (a, b, c):
         sched.add_request(r)
-    plan = sched.plan_chunk()  # 32 tokens of a
-    assert [s.request_id for s in plan.slices] == ["a"]
+    plan = sched.schedule()  # 32 tokens of a
+    assert [s.request_id for s in plan.seqs] == ["a"]
     taken = sched.take_unstarted()
     assert [r.request_id for r in taken] == ["b", "c"] and all(not r.block_ids for r in taken)
-    sched.commit(plan)
-    plan = sched.plan_chunk()
-    assert [s.request_id for s in plan.slices] == ["a"] and not sched.take_unstarted()
-    assert sched.commit(plan, {"a": 5}) == [a]
+    sched.update(plan, StepOutput({}))
+    plan = sched.schedule()
+    assert [s.request_id for s in plan.seqs] == ["a"] and not sched.take_unstarted()
+    assert sched.update(plan, StepOutput({"a": 5})).prefilled == (a,)

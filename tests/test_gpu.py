@@ -3,7 +3,8 @@ reference on the device, and the real model answers on CUDA."""
 import pytest
 import torch
 
-from aserve.runner import ModelRunner, SeqWork, StepInput
+from aserve.engine.runner import ModelRunner
+from scheduling.step import SeqStep, StepPlan
 from model.attention import flash_available
 from model.kv_cache import KVCache
 from model.loader import model_from_state_dict
@@ -24,9 +25,9 @@ def mixed_step(blocks, lengths, cut):
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 128, (n,), generator=g).tolist() for n in lengths]
     tables = [blocks.allocate(-(-n // blocks.block_size)) for n in lengths]
-    first = StepInput(tuple(SeqWork(f"r{i}", tuple(s[:c]), 0, tuple(t)) for i, (s, t, c) in
+    first = StepPlan(tuple(SeqStep(f"r{i}", tuple(s[:c]), 0, tuple(t)) for i, (s, t, c) in
                             enumerate(zip(seqs, tables, cut)) if c))
-    second = StepInput(tuple(SeqWork(f"r{i}", tuple(s[c:]), c, tuple(t)) for i, (s, t, c) in
+    second = StepPlan(tuple(SeqStep(f"r{i}", tuple(s[c:]), c, tuple(t)) for i, (s, t, c) in
                              enumerate(zip(seqs, tables, cut))))
     return first, second
 
@@ -52,7 +53,7 @@ def test_cuda_matches_transformers_cpu():
     runner, blocks = cuda_runner(LLAMA, hf, "sdpa")
     ids = list(range(3, 50))
     b = blocks.allocate(3)
-    got = runner.forward_logits(StepInput((SeqWork("r", tuple(ids), 0, tuple(b)),))).cpu()
+    got = runner.forward_logits(StepPlan((SeqStep("r", tuple(ids), 0, tuple(b)),))).cpu()
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
     assert (got - want).abs().max().item() <= 1e-4
@@ -61,7 +62,7 @@ def test_cuda_matches_transformers_cpu():
 @pytest.mark.slow
 def test_default_model_on_cuda_says_paris():
     from aserve.config import EngineConfig
-    from aserve.engine import LLM
+    from aserve.engine.offline import LLM
     from scheduling.request import SamplingParams
 
     llm = LLM(EngineConfig(device="cuda", dtype="bf16", kv_cache_gb=0.5))

@@ -2,16 +2,16 @@
 the host-space accounting, greedy outputs under swap on a tiny model and on the real one."""
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from aserve.bench_swap import (int8_logit_error, reference_config, run_greedy, tight_swap_config,
+from aserve.bench.swap import (int8_logit_error, reference_config, run_greedy, tight_swap_config,
                                token_agreement)
 from aserve.config import EngineConfig
-from aserve.engine import ModelBundle, add_swap_space
-from aserve.runner import StepInput
+from aserve.engine.bundle import ModelBundle
+from aserve.engine.torch_device import TorchDevice
+from scheduling.step import StepPlan
 from model.kv_cache import (Int8KVCache, KVCache, dequantize_int8, quantize_int8, swap_bytes_per_block,
                             kv_bytes_per_block)
 from tests.tiny import LLAMA, hf_model, make_runner, ours
@@ -77,10 +77,10 @@ def test_runner_swaps_blocks_through_int8_and_leaves_the_rest_alone(tiny_model):
     runner.kv.pool.copy_(random_kv(runner.kv.pool.shape, seed=3))
     runner.host_kv = Int8KVCache(tiny_model.args, 4, runner.block_size, torch.float32)
     before = runner.kv.pool.clone()
-    runner.execute(StepInput((), swap_out=((3, 0), (5, 2))))
+    runner.execute(StepPlan((), swap_out=((3, 0), (5, 2))))
     assert torch.equal(runner.kv.pool, before)  # a swap-out only reads the device pool
     runner.kv.pool[:, :, [3, 5]] = 7.0  # the freed device blocks get reused
-    runner.execute(StepInput((), swap_in=((0, 8), (2, 10))))
+    runner.execute(StepPlan((), swap_in=((0, 8), (2, 10))))
     for src, dst, host in ((3, 8, 0), (5, 10, 2)):
         assert_within_half_scale(runner.kv.pool[:, :, dst], before[:, :, src], runner.host_kv.scale[:, :, host])
     untouched = [b for b in range(12) if b not in (3, 5, 8, 10)]
@@ -93,8 +93,8 @@ def test_same_dtype_swap_is_an_exact_copy(tiny_model):
     runner.kv.pool.copy_(random_kv(runner.kv.pool.shape, seed=4))
     runner.host_kv = KVCache(tiny_model.args, 2, runner.block_size, torch.float32, "cpu")
     before = runner.kv.pool.clone()
-    runner.execute(StepInput((), swap_out=((1, 1),)))
-    runner.execute(StepInput((), swap_in=((1, 4),)))
+    runner.execute(StepPlan((), swap_out=((1, 1),)))
+    runner.execute(StepPlan((), swap_in=((1, 4),)))
     assert torch.equal(runner.kv.pool[:, :, 4], before[:, :, 1])
 
 
@@ -102,28 +102,30 @@ def test_same_dtype_swap_is_an_exact_copy(tiny_model):
 @pytest.mark.parametrize("dtype, ratio", [(torch.bfloat16, 32 / 20), (torch.float32, 64 / 20)])
 def test_int8_swap_space_holds_more_blocks_in_the_same_budget(tiny_model, dtype, ratio):
     args = tiny_model.args
-    bundle = SimpleNamespace(args=args, dtype=dtype)
+    bundle = ModelBundle(None, args, tiny_model, _IdsTokenizer(), dtype, "cpu")
     got = {}
     for swap_dtype in ("same", "int8"):
-        runner, _ = make_runner(tiny_model, num_blocks=4)
-        cfg = EngineConfig(swap_gb=0.01, swap_dtype=swap_dtype)
-        host_blocks = add_swap_space(runner, bundle, cfg)
+        device = TorchDevice("t", bundle, EngineConfig(kv_cache_gb=0.001, swap_gb=0.01, swap_dtype=swap_dtype), 1)
+        host_blocks = device.add_swap_space()
+        runner = device.runner
         per_block = swap_bytes_per_block(args, 16, dtype, swap_dtype)
         assert runner.host_kv.block_bytes == per_block
-        assert host_blocks.num_blocks == runner.host_kv.num_blocks == int(0.01 * 2**30) // per_block
+        assert host_blocks == runner.host_kv.num_blocks == int(0.01 * 2**30) // per_block
+        assert device.add_swap_space() == host_blocks  # made once
         got[swap_dtype] = (per_block, type(runner.host_kv))
     assert got["same"] == (kv_bytes_per_block(args, 16, dtype), KVCache) and got["int8"][1] is Int8KVCache
     assert got["same"][0] / got["int8"][0] == pytest.approx(ratio)  # 16 tokens a block, scales per channel
 
 
 def test_swap_dtype_is_checked_and_set_by_the_cli():
-    import cli
+    from aserve.commands import build_parser
+    from aserve.commands.common import engine_config
 
     with pytest.raises(ValueError, match="swap_dtype 'fp8'"):
         EngineConfig(swap_dtype="fp8")
-    a = cli.build_parser().parse_args(["bench", "swap-int8", "--swap-dtype", "int8"])
-    assert cli.engine_config(a).swap_dtype == "int8"
-    assert cli.engine_config(cli.build_parser().parse_args(["bench", "swap-int8"])).swap_dtype == "same"
+    a = build_parser().parse_args(["bench", "swap-int8", "--swap-dtype", "int8"])
+    assert engine_config(a).swap_dtype == "int8"
+    assert engine_config(build_parser().parse_args(["bench", "swap-int8"])).swap_dtype == "same"
 
 
 def test_token_agreement_counts_up_to_the_first_divergence():
@@ -174,7 +176,7 @@ def test_int8_swap_on_the_default_model_agrees_with_no_preemption(default_bundle
     reference (position by position up to the first divergence); all later tokens of that
     prompt count as disagreeing. Required: >= 95% over all 20 prompts. Also printed: the logit
     error of one decode step after an INT8 round trip of each prompt's KV."""
-    from aserve.bench_swap import bench_prompts
+    from aserve.bench.swap import bench_prompts
 
     bundle, cfg = default_bundle_fp32, EngineConfig(dtype="fp32")
     prompts = bench_prompts(bundle, 20)

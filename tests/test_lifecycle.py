@@ -8,10 +8,10 @@ import asyncio
 import pytest
 import torch
 
-from aserve.cluster import Cluster
+from aserve.cluster.cluster import Cluster
 from aserve.config import ClusterConfig, EngineConfig
-from aserve.engine import LLM
-from aserve.lifecycle import InstanceError
+from aserve.engine.offline import LLM
+from aserve.cluster.lifecycle import InstanceError
 from scheduling.request import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -90,21 +90,21 @@ def drill(workload, during, after_tokens=40, then=None):
 
 def test_killed_decode_instance_loses_no_request(workload):
     async def kill(cl):
-        assert cl.instances["d2"].holds() > 0, "the drill must hit a busy instance"
-        cl.kill_instance("d2", "drill: worker killed")
+        assert cl.instances["d2"].num_requests > 0, "the drill must hit a busy instance"
+        cl.lifecycle.kill("d2", "drill: worker killed")
 
     async def then(cl):
         assert cl.instances["d2"].state == "failed"
-        assert cl.counts["reruns"] > 0 and cl.counts["instance_failures"] == 1
-        assert any(e["kind"] == "instance_failed" for e in cl.events)
+        assert cl.lifecycle.counts["reruns"] > 0 and cl.lifecycle.counts["instance_failures"] == 1
+        assert any(e["kind"] == "instance_failed" for e in cl.log.events)
     drill(workload, kill, then=then)
 
 
 def test_prefill_step_that_raises_loses_no_request(workload):
     async def fault(cl):
-        cl.inject_fault("p0")
+        cl.lifecycle.inject_fault("p0")
         for _ in range(1000):
-            if cl.instances["p0"].state == "failed" or not cl.instances["p0"].holds():
+            if cl.instances["p0"].state == "failed" or not cl.instances["p0"].num_requests:
                 return
             await asyncio.sleep(0.005)
 
@@ -116,11 +116,11 @@ def test_prefill_step_that_raises_loses_no_request(workload):
 
 def test_failed_transfer_is_retried_and_frees_both_sides(workload):
     async def fail_links(cl):
-        cl.inject_transfer_faults(3)
+        cl.handoff.inject_faults(3)
 
     async def then(cl):
-        assert cl.counts["transfer_retries"] == 3
-        assert sum(link.stats()["num_failed"] for link in cl.links.values()) == 3
+        assert cl.handoff.counts["transfer_retries"] == 3
+        assert sum(link.stats()["num_failed"] for link in cl.handoff.links.values()) == 3
     drill(workload, fail_links, after_tokens=1, then=then)
 
 
@@ -130,8 +130,8 @@ def test_no_instance_left_ends_requests_with_a_clear_error(workload):
     async def main():
         async with Cluster(ENGINE, ClusterConfig(mode="disagg", chunk_size=64), bundle=bundle) as cl:
             async def kill_both(cl):
-                cl.kill_instance("d1")
-                cl.kill_instance("p0")
+                cl.lifecycle.kill("d1")
+                cl.lifecycle.kill("p0")
             results = await stream_all(cl, ids[:8], kill_both, after_tokens=3, timeout=60)
             assert all(reason == "error" and "no healthy instance" in err for _, reason, err in results)
             assert not cl.requests
@@ -143,8 +143,8 @@ def test_flip_under_load_keeps_outputs_and_is_fast(workload):
     records = []
 
     async def flips(cl):
-        records.append(await cl.flip("p0", "decode", reason="test"))
-        records.append(await cl.flip("d2", "prefill", reason="test"))
+        records.append(await cl.lifecycle.flip("p0", "decode", reason="test"))
+        records.append(await cl.lifecycle.flip("d2", "prefill", reason="test"))
 
     async def then(cl):
         assert {i.id: i.role for i in cl.instances.values()} == {"p0": "decode", "p1": "prefill",
@@ -152,12 +152,12 @@ def test_flip_under_load_keeps_outputs_and_is_fast(workload):
         for r in records:
             assert r["flip_s"] < 0.05, r  # the switch alone; the drain is reported apart
             assert r["drain_s"] >= 0
-        assert cl.counts["flips"] == 2 and len(cl.flip_log) == 2
+        assert cl.lifecycle.counts["flips"] == 2 and len(cl.lifecycle.flip_log) == 2
         check(await stream_all(cl, ids[:8]), want[:8])  # the flipped instances serve in their new roles
         assert cl.instances["p0"].num_decode_tokens > 0 and cl.instances["d2"].num_prefill_tokens > 0
-        await cl.flip("p1")  # idle: drains at once
+        await cl.lifecycle.flip("p1")  # idle: drains at once
         with pytest.raises(InstanceError, match="last active prefill"):
-            await cl.flip("d2")
+            await cl.lifecycle.flip("d2")
     drill(workload, flips, after_tokens=20, then=then)
 
 
@@ -165,20 +165,20 @@ def test_add_and_remove_instances_under_load(workload):
     removed = []
 
     async def churn(cl):
-        new = cl.add_instance("decode")
+        new = cl.lifecycle.add("decode")
         assert new.state == "active" and new.role == "decode"
-        removed.append(await cl.remove_instance("d2"))
-        removed.append(await cl.remove_instance("p0"))
+        removed.append(await cl.lifecycle.remove("d2"))
+        removed.append(await cl.lifecycle.remove("p0"))
 
     async def then(cl):
         assert set(cl.instances) == {"p1", "d3", "d4"}
         assert [r["instance"] for r in removed] == ["d2", "p0"]
         with pytest.raises(InstanceError, match="last active prefill"):
-            await cl.remove_instance("p1")
+            await cl.lifecycle.remove("p1")
         with pytest.raises(InstanceError, match="no instance 'x9'"):
-            await cl.remove_instance("x9")
+            await cl.lifecycle.remove("x9")
         with pytest.raises(InstanceError, match="bad role"):
-            cl.add_instance("coupled")
+            cl.lifecycle.add("coupled")
     drill(workload, churn, after_tokens=30, then=then)
 
 
@@ -191,11 +191,11 @@ def test_lease_frees_blocks_reserved_for_kv_that_never_arrives(default_bundle_fp
             d = cl.instances["d1"]
             ghost = Request("ghost", list(range(1, 100)), SP)
             ghost.num_computed_tokens = 99
-            assert d.decode.allocate_incoming(ghost) is not None
+            assert d.reserve_kv(ghost) is not None
             assert d.blocks.num_free < d.blocks.num_blocks
             await asyncio.sleep(0.5)
             assert d.blocks.num_free == d.blocks.num_blocks
-            assert cl.counts["reclaimed"] == 1
+            assert cl.lifecycle.counts["reclaimed"] == 1
     asyncio.run(main())
 
 
@@ -206,9 +206,9 @@ def test_dedicated_device_emulation_paces_each_instance(default_bundle_fp32):
         cfg = ClusterConfig(mode="disagg", num_prefill=2, num_decode=2, chunk_size=64, device_share=share)
         eng = EngineConfig(dtype="fp32", kv_cache_gb=0.25, num_threads=2)
         async with Cluster(eng, cfg, bundle=default_bundle_fp32) as cl:
-            assert cl.device_slowdown() == (2.0 if share == "dedicated" else 1.0)
+            assert cl.core_share.slowdown() == (2.0 if share == "dedicated" else 1.0)
             await asyncio.gather(*[cl.generate(list(range(100, 140)), SP) for _ in range(4)])
-            return [(i.busy_s, i.cpu_s) for i in cl.instances.values() if i.num_steps]
+            return [(i.busy_s, i.device.cpu_s) for i in cl.instances.values() if i.num_steps]
     for busy, cpu in asyncio.run(main("dedicated")):
         assert cpu > 0 and busy >= 2 * cpu * 0.999
     assert ClusterConfig(device_share="shared").device_share == "shared"

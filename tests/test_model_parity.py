@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from aserve.runner import SeqWork, StepInput
+from scheduling.step import SeqStep, StepPlan
 from model import native
 from tests.tiny import LLAMA, OPT, hf_model, make_runner, ours, prefill_logits
 
@@ -68,7 +68,7 @@ def test_paged_decode_equals_recompute(name, backend):
         pos = len(ids)
         ids.append(nxt)
         blocks.grow(block_ids, len(ids))
-        logits = runner.forward_logits(StepInput((SeqWork("r", (nxt,), pos, tuple(block_ids)),)))[0]
+        logits = runner.forward_logits(StepPlan((SeqStep("r", (nxt,), pos, tuple(block_ids)),)))[0]
         fresh = []
         recompute = prefill_logits(runner, blocks, ids, 512, fresh)[-1]
         blocks.free(fresh)
@@ -102,9 +102,9 @@ def test_mixed_batch_equals_separate_steps(backend):
             prefill_logits(runner, blocks, s[:cut], 512, b)
         blocks.grow(b, len(s))
         tables.append(b)
-        work.append(SeqWork(f"r{i}", tuple(s[cut:]), cut, tuple(b)))
+        work.append(SeqStep(f"r{i}", tuple(s[cut:]), cut, tuple(b)))
         expect.append(alone[i][cut:])
-    got = runner.forward_logits(StepInput(tuple(work)))
+    got = runner.forward_logits(StepPlan(tuple(work)))
     # runner order: multi-token sequences first, then single-token decodes
     order = sorted(range(len(work)), key=lambda i: len(work[i].token_ids) == 1)
     want = torch.cat([expect[i] for i in order])
@@ -120,8 +120,8 @@ def test_padding_tokens_change_nothing():
     runner, blocks = make_runner(ours(cfg, hf))
     ids = list(range(5, 25))
     b = blocks.allocate(2)
-    plain = runner.forward_logits(StepInput((SeqWork("r", tuple(ids), 0, tuple(b)),)))
-    padded = runner.forward_logits(StepInput((SeqWork("r", tuple(ids), 0, tuple(b)),), num_pad_tokens=12))
+    plain = runner.forward_logits(StepPlan((SeqStep("r", tuple(ids), 0, tuple(b)),)))
+    padded = runner.forward_logits(StepPlan((SeqStep("r", tuple(ids), 0, tuple(b)),), num_pad_tokens=12))
     assert padded.shape[0] == len(ids) + 12
     assert (plain - padded[:len(ids)]).abs().max().item() <= 1e-5
     blocks.free(b)
@@ -144,7 +144,7 @@ def test_tapped_features_are_a_truncated_models_output(backend, dtype):
     ta, tb = [], []
     blocks.grow(ta, len(a))
     blocks.grow(tb, len(b))
-    step = StepInput((SeqWork("a", tuple(a), 0, tuple(ta), None, True), SeqWork("b", tuple(b), 0, tuple(tb), None, True)),
+    step = StepPlan((SeqStep("a", tuple(a), 0, tuple(ta), tap=True), SeqStep("b", tuple(b), 0, tuple(tb), tap=True)),
                      tap_layer=2)
     feats = runner.execute(step).features
     conf = AutoConfig.for_model(**dict(cfg, num_hidden_layers=2))

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from aserve.monitor import Dashboard, FetchError, parse_url, run_in_process, server_sampler
-from aserve.monitor_data import (TTFT, Histogram, Sample, histogram_delta, histogram_quantile, parse_histograms,
+from aserve.monitor.dashboard import Dashboard, FetchError, parse_url, run_in_process, server_sampler
+from aserve.monitor.data import (TTFT, Histogram, Sample, histogram_delta, histogram_quantile, parse_histograms,
                                  rate, sample_from, sparkline)
-from aserve.monitor_history import History
-from aserve.monitor_view import render
+from aserve.monitor.history import History
+from aserve.monitor.view import render
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "monitor"
@@ -344,7 +344,7 @@ def test_json_prints_the_snapshot(server):
 
 @pytest.mark.slow
 def test_api_key_is_sent_and_a_wrong_one_is_an_error():
-    from aserve.api import ServerSettings
+    from aserve.api.server import ServerSettings
     from aserve.config import ClusterConfig
     from tests.api_support import ServerThread
 
@@ -373,8 +373,8 @@ def test_in_process_tui_draws_from_the_servers_own_snapshot(server):
 def test_serve_tui_draws_then_gives_the_terminal_back_to_the_drain(capsys):
     """``run_server(tui=True)``, as ``aserve serve --tui`` calls it: frames while serving, and the
     monitor stopped before the drain's message."""
-    from aserve.api import run_server
-    from aserve.cluster import Cluster
+    from aserve.api.server import run_server
+    from aserve.cluster.cluster import Cluster
     from aserve.config import ClusterConfig
     from tests.api_support import ENGINE, bundle
 

@@ -193,7 +193,7 @@ def test_llama_forward_step_matches_op_by_op(monkeypatch, kind):
     """One ``native.llama_forward`` call for a step (decode rows, prompt chunks that start at 0 or
     continue a request, pad rows) gives the op-by-op bf16 path's hidden states and K/V (within
     bf16 rounding), and is as close to an fp32 run as that path."""
-    from aserve.runner import SeqWork, StepInput
+    from scheduling.step import SeqStep, StepPlan
     from tests.tiny import hf_model, make_runner, ours
 
     cfg = _tiny_llama32()
@@ -208,10 +208,10 @@ def test_llama_forward_step_matches_op_by_op(monkeypatch, kind):
         blocks.grow(block_ids, len(ids))
         if before:
             for r in (runner, r32):
-                r.forward_logits(StepInput((SeqWork(f"r{i}", tuple(ids[:before]), 0, tuple(block_ids)),)))
-        seqs.append(SeqWork(f"r{i}", tuple(ids[before:]), before, tuple(block_ids)))
+                r.forward_logits(StepPlan((SeqStep(f"r{i}", tuple(ids[:before]), 0, tuple(block_ids)),)))
+        seqs.append(SeqStep(f"r{i}", tuple(ids[before:]), before, tuple(block_ids)))
     chunks, decodes = [s for s in seqs if len(s.token_ids) > 1], [s for s in seqs if len(s.token_ids) == 1]
-    step = StepInput(tuple(chunks + decodes), num_pad_tokens=3 if "pad" in kind else 0)
+    step = StepPlan(tuple(chunks + decodes), num_pad_tokens=3 if "pad" in kind else 0)
     before_kv = runner.kv.pool.clone()
     with torch.inference_mode():
         ids, pos, meta, *_ = runner._prepare(step)

@@ -1,4 +1,4 @@
-"""The length predictor online (aserve/online_predictor.py): on the in-process cluster and the
+"""The length predictor online (aserve/predict/online.py): on the in-process cluster and the
 real model, every request carries a predicted range before a decode (or ALISE's coupled)
 scheduler sees it; a predictor that raises or is too slow costs the request its prediction, never
 its answer; retrieval learns from finished requests; the oracle is exact; /metrics and /v1/stats
@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-import cli
-from aserve.cluster import Cluster
+from aserve.commands import build_parser
+from aserve.commands.common import cluster_config
+from aserve.cluster.cluster import Cluster
 from aserve.config import ClusterConfig
-from aserve.online_predictor import OnlinePredictor
+from aserve.predict.online import OnlinePredictor
 from predictors.base import LengthPredictor, MAX_PROMPT_CHARS
 from predictors.dataset import DEFAULT_PROMPTS, labelling_order, load_prompts
 from predictors.serving import prompt_view
@@ -41,15 +42,15 @@ def test_bad_names_and_options_are_clear_errors():
         with pytest.raises(ValueError, match=message):
             ClusterConfig(**kw)
     with pytest.raises(ValueError, match="field 'predictor-option': expected KEY=VALUE"):
-        cli.cluster_config(cli.build_parser().parse_args(["serve", "--predictor-option", "k"]))
+        cluster_config(build_parser().parse_args(["serve", "--predictor-option", "k"]))
 
 
 def test_cluster_flags_reach_the_config():
-    a = cli.build_parser().parse_args(
+    a = build_parser().parse_args(
         ["serve", "--chunk-size", "64", "--predictor", "retrieval", "--predictor-granularity", "100",
          "--predictor-mode", "sequential", "--predictor-timeout", "0.25", "--predictor-option", "k=8",
          "--predictor-option", "combine=mean", "--predictor-path", "/some/dir"])
-    cfg = cli.cluster_config(a)
+    cfg = cluster_config(a)
     assert (cfg.predictor, cfg.predictor_granularity, cfg.predictor_mode, cfg.predictor_timeout_s) == \
         ("retrieval", 100, "sequential", 0.25)
     assert dict(cfg.predictor_options) == {"k": 8, "combine": "mean"} and cfg.predictor_path == "/some/dir"
@@ -138,10 +139,10 @@ def spy_on_entry(cl: Cluster) -> dict:
     """Record ``request.predicted`` when each request reaches a decode (or coupled) scheduler."""
     seen = {}
     for inst in cl.instances.values():
-        sched = inst.decode or inst.coupled
-        if sched is None:  # a prefill instance
+        if inst.role == "prefill":
             continue
-        name = "add_request" if inst.decode is not None else "add"
+        sched = inst.scheduler
+        name = "accept_incoming" if inst.role == "decode" else "add_request"
         original = getattr(sched, name)
 
         def record(req, *a, _original=original, **kw):
@@ -238,7 +239,7 @@ def test_prefill_features_need_a_backbone_that_is_the_served_model(tmp_path):
     online = OnlinePredictor(ClusterConfig(predictor="oracle", predictor_features="prefill"))
     with pytest.raises(ValueError, match="backbone is not the served model's first layers"):
         online.load(served_model=("default", tmp_path), at_handoff=True)
-    assert cli.cluster_config(cli.build_parser().parse_args(
+    assert cluster_config(build_parser().parse_args(
         ["serve", "--predictor-features", "prompt"])).predictor_features == "prompt"
 
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from cli import main
+from aserve.commands import main
 from predictors.agreement import label_agreement
 from predictors.dataset import Label
 

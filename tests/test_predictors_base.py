@@ -5,7 +5,7 @@ import pytest
 
 from predictors import Buckets, get_predictor, load_predictor
 from predictors.base import prompt_of
-from predictors.cli import parse_options
+from aserve.commands.predictor import parse_options
 from predictors.dataset import (Example, PromptRow, check_labels_match, is_test, join_examples, labelling_order,
                                 load_prompts, read_labels, split_by_id)
 from predictors.simple import ORACLE_ATTR

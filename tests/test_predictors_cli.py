@@ -1,11 +1,10 @@
-"""``aserve predictor train|eval`` and ``aserve label`` as registered by add_predictor_commands."""
-import argparse
+"""``aserve predictor train|eval`` and ``aserve label`` as the command line registers them."""
 import json
 from pathlib import Path
 
 import pytest
 
-from predictors.cli import add_predictor_commands
+from aserve.commands import build_parser
 from predictors.dataset import DEFAULT_PROMPTS, labelling_order, load_prompts
 from predictors.synthetic import write_synthetic_labels
 
@@ -14,9 +13,7 @@ pytestmark = pytest.mark.skipif(not Path(DEFAULT_PROMPTS).is_file(),
 
 
 def parser():
-    p = argparse.ArgumentParser(prog="aserve")
-    add_predictor_commands(p.add_subparsers(dest="command", required=True))
-    return p
+    return build_parser()
 
 
 def run(*argv):
@@ -81,7 +78,7 @@ def test_label_command_is_registered():
 
 
 def test_trace_writes_held_out_prompts_with_their_labelled_lengths(labels, tmp_path):
-    from aserve.trace_formats import read_aserve
+    from aserve.replay.trace_formats import read_aserve
     from predictors.dataset import is_test, read_labels
 
     out = tmp_path / "heldout.jsonl"

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from aserve.label import done_ids, label_prompts
+from aserve.predict.label import done_ids, label_prompts
 from predictors.dataset import DEFAULT_PROMPTS, read_labels
 
 HAVE_POOL = Path(DEFAULT_PROMPTS).is_file()
@@ -24,7 +24,7 @@ def llm():
     import torch
 
     from aserve.config import EngineConfig
-    from aserve.engine import LLM
+    from aserve.engine.offline import LLM
 
     before = torch.get_num_threads()
     yield LLM(EngineConfig(kv_cache_gb=0.05, num_threads=1))  # one thread: no spin-waiting on a busy CPU
@@ -67,7 +67,7 @@ def test_label_missing_prompts_file(tmp_path):
 
 
 def test_label_split_keeps_one_side_of_the_predictors_split(tmp_path):
-    from aserve.label import _todo
+    from aserve.predict.label import _todo
     from predictors.dataset import is_test, labelling_order, load_prompts
 
     path = tmp_path / "p.jsonl"

@@ -8,6 +8,7 @@ from scheduling.clock import FakeClock
 from scheduling.prefill import PrefillConfig
 from scheduling.registry import get
 from scheduling.request import Request, Status
+from scheduling.step import StepOutput
 
 
 def make(policy="fcfs", num_blocks=256, block_size=4, **config):
@@ -25,19 +26,23 @@ def add_all(sched, lengths, prefix="r"):
 
 
 def run_all(sched, max_chunks=10_000):
-    """Plan and commit until nothing runs; hand-made first tokens. Returns the plans."""
+    """Schedule and update until nothing runs; hand-made first tokens. Returns the plans."""
     plans = []
-    while (plan := sched.plan_chunk()) is not None:
-        sched.commit(plan, {rid: 7 for rid in plan.finishing_ids})
+    while not (plan := sched.schedule()).empty:
+        sched.update(plan, first_tokens(plan))
         plans.append(plan)
         assert len(plans) < max_chunks
     return plans
 
 
+def first_tokens(plan, token=7):
+    return StepOutput({rid: token for rid in plan.sampled_ids})
+
+
 def first_seen(plans):
     order = []
     for plan in plans:
-        order += [s.request_id for s in plan.slices if s.request_id not in order]
+        order += [s.request_id for s in plan.seqs if s.request_id not in order]
     return order
 
 
@@ -74,8 +79,8 @@ def test_sjf_ljf_order_within_each_sched_batch(policy, expected):
 def test_sjf_long_prompt_is_not_starved_by_later_short_ones():
     sched = make("sjf", chunk_size=16, sched_batch=4)
     add_all(sched, [200, 3, 4, 5])
-    first = sched.plan_chunk()  # the group r0..r3 is now the scheduled queue
-    sched.commit(first, {rid: 7 for rid in first.finishing_ids})
+    first = sched.schedule()  # the group r0..r3 is now the scheduled queue
+    sched.update(first, first_tokens(first))
     add_all(sched, [1] * 12, prefix="s")  # short arrivals after the group was formed
     plans = [first] + run_all(sched)
     order = first_seen(plans)
@@ -92,10 +97,10 @@ def check_plans(plans, requests, chunk_size, pad):
         assert plan.num_real_tokens <= chunk_size
         expected = chunk_size if pad else plan.num_real_tokens
         assert plan.num_real_tokens + plan.num_pad_tokens == expected
-        for s in plan.slices:
-            assert s.num_tokens > 0 and s.start == progress[s.request_id]
-            progress[s.request_id] = s.end
-            assert len(plan.block_ids[s.request_id]) >= blocks_needed(s.end, 4)
+        for s in plan.seqs:
+            assert s.num_tokens > 0 and s.start_pos == progress[s.request_id]
+            progress[s.request_id] = s.end_pos
+            assert len(plan.block_ids[s.request_id]) >= blocks_needed(s.end_pos, 4)
     assert progress == {rid: r.num_prompt_tokens for rid, r in requests.items()}
 
 
@@ -123,7 +128,7 @@ def test_padding_is_counted_and_optional():
     add_all(sched, [5, 6])
     (plan,) = run_all(sched)
     assert plan.num_scheduled_tokens == {"r0": 5, "r1": 6} and plan.num_pad_tokens == 5
-    assert plan.finishing_ids == ("r0", "r1")
+    assert plan.sampled_ids == ("r0", "r1")
     assert_no_leak(sched)
     sched = make(chunk_size=16, pad=False)
     add_all(sched, [5, 6])
@@ -136,10 +141,10 @@ def test_split_prompt_keeps_order_and_total():
     sched = make(chunk_size=16)
     add_all(sched, [40, 12])
     plans = run_all(sched)
-    assert [[(s.request_id, s.start, s.num_tokens) for s in p.slices] for p in plans] == [
+    assert [[(s.request_id, s.start_pos, s.num_tokens) for s in p.seqs] for p in plans] == [
         [("r0", 0, 16)], [("r0", 16, 16)], [("r0", 32, 8), ("r1", 0, 8)], [("r1", 8, 4)]]
     assert [p.num_pad_tokens for p in plans] == [0, 0, 0, 12]
-    assert [p.finishing_ids for p in plans] == [(), (), ("r0",), ("r1",)]
+    assert [p.sampled_ids for p in plans] == [(), (), ("r0",), ("r1",)]
     r0 = sched.finished_prefills[0]
     assert r0.num_computed_tokens == 40 and r0.output_token_ids == [7]
     assert r0.status is Status.TRANSFERRING and len(r0.block_ids) == 10
@@ -149,26 +154,26 @@ def test_split_prompt_keeps_order_and_total():
 def test_out_of_blocks_stops_the_chunk_and_records_what_it_took():
     sched = make(num_blocks=4, block_size=4, chunk_size=32)  # the pool holds 16 tokens
     add_all(sched, [10, 10])
-    plan = sched.plan_chunk()
+    plan = sched.schedule()
     assert plan.num_scheduled_tokens == {"r0": 10, "r1": 4}  # r1 got the last block
-    assert len(plan.new_block_ids["r0"]) == 3 and len(plan.new_block_ids["r1"]) == 1
-    sched.commit(plan, {"r0": 7})
-    assert sched.blocks.num_free == 0 and sched.plan_chunk() is None  # r1 waits
+    assert len(plan.block_ids["r0"]) == 3 and len(plan.block_ids["r1"]) == 1
+    sched.update(plan, StepOutput({"r0": 7}))
+    assert sched.blocks.num_free == 0 and sched.schedule().empty  # r1 waits
     sched.release("r0")
-    plan = sched.plan_chunk()
-    assert [(s.request_id, s.start, s.num_tokens) for s in plan.slices] == [("r1", 4, 6)]
-    sched.commit(plan, {"r1": 7})
+    plan = sched.schedule()
+    assert [(s.request_id, s.start_pos, s.num_tokens) for s in plan.seqs] == [("r1", 4, 6)]
+    sched.update(plan, StepOutput({"r1": 7}))
     assert_no_leak(sched)
 
 
 def test_abort_from_every_queue_frees_blocks():
     sched = make(chunk_size=8, sched_batch=2)
     add_all(sched, [12, 4, 9, 3])
-    plan = sched.plan_chunk()  # r0[0:8) in flight; r1 scheduled; r2, r3 raw
+    plan = sched.schedule()  # r0[0:8) in flight; r1 scheduled; r2, r3 raw
     assert sched.raw_ids == ["r2", "r3"] and sched.scheduled_ids == ["r0", "r1"]
     assert sched.abort("r0").finish_reason == "abort"  # while its chunk runs
     assert sched.abort("r3").status is Status.FINISHED
-    sched.commit(plan)  # the aborted slice is skipped
+    sched.update(plan, StepOutput({}))  # the aborted slice is skipped
     assert sched.abort("nope") is None
     run_all(sched)
     assert [r.request_id for r in sched.finished_prefills] == ["r1", "r2"]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from aserve.profile_budget import BudgetProfile, NoBudgetMeetsSLO, Timing, pick_budget, profile_token_budget, search
+from aserve.bench.token_budget import BudgetProfile, NoBudgetMeetsSLO, Timing, pick_budget, profile_token_budget, search
 from tests.tiny import LLAMA, hf_model, ours
 
 
@@ -112,8 +112,9 @@ def test_real_run_on_a_tiny_model(tiny_model):
 
 # ---- the saved budget and the command line ----------------------------------------------------------------
 def test_saved_budget_is_the_sarathi_default(tmp_path):
-    import cli
-    from aserve.profile_store import saturate_chunk, save_saturate_chunk, save_token_budget, token_budget
+    from aserve.commands import build_parser
+    from aserve.commands.common import engine_config
+    from aserve.engine.profile_store import saturate_chunk, save_saturate_chunk, save_token_budget, token_budget
 
     cache = str(tmp_path)
     save_token_budget(cache, "default", "cpu", "auto", 7, 384)
@@ -122,7 +123,7 @@ def test_saved_budget_is_the_sarathi_default(tmp_path):
     base = ["bench", "swap-int8", "--cache-dir", cache, "--threads"]
 
     def budget(*flags: str) -> int:
-        return cli.engine_config(cli.build_parser().parse_args(base + list(flags))).max_num_batched_tokens
+        return engine_config(build_parser().parse_args(base + list(flags))).max_num_batched_tokens
 
     assert budget("7") == 384
     assert budget("7", "--batching", "vllm") == 512  # only sarathi's budget was profiled
@@ -131,7 +132,7 @@ def test_saved_budget_is_the_sarathi_default(tmp_path):
 
 
 def test_cli_refuses_a_non_positive_slo(capsys):
-    import cli
+    from aserve.commands import EXIT_USAGE, main
 
-    assert cli.main(["profile", "token-budget", "--tbt-slo", "0"]) == cli.EXIT_USAGE
+    assert main(["profile", "token-budget", "--tbt-slo", "0"]) == EXIT_USAGE
     assert "--tbt-slo must be > 0" in capsys.readouterr().err

@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from aserve.replay import add_replay_parsers, drive
-from aserve.replay_cli import parse_compare
-from aserve.report import LATENCIES, RequestRecord, SystemRun, build_report, parse_slo, summarize
-from aserve.traces import Trace, TraceRequest
+from aserve.commands import build_parser
+from aserve.replay.driver import drive
+from aserve.commands.replay import parse_compare
+from aserve.replay.report import LATENCIES, RequestRecord, SystemRun, build_report, parse_slo, summarize
+from aserve.replay.traces import Trace, TraceRequest
 
 TRACE = [  # 6 requests, short outputs; one with prompt text, one long enough for several chunks
     {"timestamp": 0.0, "prompt_tokens": 40, "output_tokens": 6},
@@ -26,9 +27,7 @@ SYSTEM_KEYS = {"completed", "failed", "aborted", "clipped", *LATENCIES, "through
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="aserve")
-    add_replay_parsers(p.add_subparsers(dest="command", required=True))
-    return p
+    return build_parser()
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +128,7 @@ def test_summarize_hand_made_records():
 
 
 def test_oracle_gain_kept_is_the_share_of_the_oracles_improvement():
-    from aserve.report import add_oracle_gain_kept
+    from aserve.replay.report import add_oracle_gain_kept
 
     def system(predictor, norm, jct):
         return {"predictor": predictor and {"name": predictor}, "normalized_latency": {"mean": norm},
@@ -172,8 +171,8 @@ def test_drive_respects_arrivals_and_timeout():
 
 def test_replayed_requests_do_not_carry_their_true_length_as_max_tokens():
     """Policies and predictors read max_tokens; a replay must not hand them the answer."""
-    from aserve.output import StopChecker
-    from aserve.replay import replay_cap, sampling_for
+    from aserve.engine.stops import StopChecker
+    from aserve.replay.driver import replay_cap, sampling_for
     from scheduling.request import Request, SamplingParams
 
     sp = sampling_for(TraceRequest(0.0, 10, 37), replay_cap(500, 8192, 10))

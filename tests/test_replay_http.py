@@ -8,9 +8,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer as FakeServer
 
-from aserve.replay_http import api_base, replay_http
-from aserve.report import summarize
-from aserve.traces import Trace, TraceRequest
+from aserve.replay.http_target import api_base, replay_http
+from aserve.replay.report import summarize
+from aserve.replay.traces import Trace, TraceRequest
 
 SEEN: list[dict] = []
 
@@ -82,7 +82,7 @@ def test_http_replay_against_the_aserve_server():
     """The real server (tests/api_support.py): exact output lengths, and its /v1/stats internals."""
     api_support = pytest.importorskip("api_support", reason="tests/api_support.py (the aserve server harness) is absent")
     from aserve.config import ClusterConfig
-    from aserve.workloads import PromptBuilder
+    from aserve.replay.workloads import PromptBuilder
 
     trace = Trace(tuple(TraceRequest(0.1 * i, 20 + 40 * i, 5) for i in range(4)), "t", "test")
     with api_support.ServerThread(ClusterConfig(mode="disagg")) as server:

@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
-from aserve.traces import (FitOptions, RawTrace, TraceError, TraceRequest, detect_format, fit, load_trace,
+from aserve.replay.traces import (FitOptions, RawTrace, TraceError, TraceRequest, detect_format, fit, load_trace,
                            parse_azure_time, read_trace)
-from aserve.workloads import (CLASSES, HEAVY_DECODE, HEAVY_PREFILL, SHAREGPT_LENGTHS, PromptBuilder, length_class,
+from aserve.replay.workloads import (CLASSES, HEAVY_DECODE, HEAVY_PREFILL, SHAREGPT_LENGTHS, PromptBuilder, length_class,
                               make_workload, write_workload)
 from conftest import SHARED
 

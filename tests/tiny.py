@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from aserve.runner import ModelRunner, SeqWork, StepInput
+from aserve.engine.runner import ModelRunner
+from scheduling.step import SeqStep, StepPlan
 from model.config import ModelArgs
 from model.kv_cache import KVCache
 from model.loader import model_from_state_dict
@@ -49,6 +50,6 @@ def prefill_logits(runner, blocks, ids: list[int], chunk: int, block_ids: list[i
     for start in range(0, len(ids), chunk):
         piece = ids[start:start + chunk]
         blocks.grow(block_ids, start + len(piece))
-        step = StepInput((SeqWork("r", tuple(piece), start, tuple(block_ids)),))
+        step = StepPlan((SeqStep("r", tuple(piece), start, tuple(block_ids)),))
         out.append(runner.forward_logits(step))
     return torch.cat(out)

@@ -1,0 +1,72 @@
+"""What the HTTP handlers share: the server's settings and its context over the cluster."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Optional
+
+from aiohttp import web
+
+from aserve.api.metrics import ServerMetrics
+from aserve.cluster.cluster import Cluster
+from aserve.cluster.snapshot import snapshot
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Knobs of the HTTP layer (the engine's are in EngineConfig / ClusterConfig)."""
+
+    api_key: Optional[str] = None  # when set, every route but /health needs "Authorization: Bearer <key>"
+    max_body_bytes: int = MIB
+    max_queued_requests: int = 0  # 429 once this many requests wait for their first token; 0 = no limit
+    shutdown_timeout_s: float = 30.0  # in-flight requests get this long to finish on SIGINT/SIGTERM
+
+    def __post_init__(self):
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout_s}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+
+
+@dataclass
+class ServeContext:
+    """What the handlers share: the cluster, the settings, and the server's own small state."""
+
+    cluster: "Cluster"
+    settings: ServerSettings
+    served_name: str
+    model_names: frozenset
+    metrics: Optional[ServerMetrics] = None
+    tokenizer_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "aserve-tokenize"))
+    pool_tokens: int = 0  # most tokens one request may reach: the smallest instance pool, less a slot
+    draining: bool = False
+    num_active: int = 0  # handlers with a request in the cluster
+    num_rejected: int = 0  # generation requests refused with a 4xx or 5xx
+    started_at: float = field(default_factory=time.monotonic)
+
+    def snapshot(self) -> dict:
+        snap = snapshot(self.cluster, self.served_name, self.started_at, self.draining)
+        if self.num_rejected:  # refused generations: an outcome the API, not the cluster, knows
+            snap["counts"]["rejected"] = self.num_rejected
+        return snap
+
+    def engine_dead(self) -> Optional[str]:
+        """Why the cluster cannot serve, or None: dead only when a role it needs has no live
+        instance left (a failed instance whose requests moved elsewhere is not death)."""
+        if not self.cluster.started:
+            return "the cluster is not running"
+        live = {inst.role for inst in self.cluster.instances.values()
+                if inst.state not in ("failed", "removed") and inst.is_running}
+        need = {"prefill", "decode"} if self.cluster.cfg.mode == "disagg" else {"coupled"}
+        missing = sorted(need - live)
+        return f"no live {' or '.join(missing)} instance" if missing else None
+
+
+CTX = web.AppKey("aserve", ServeContext)

@@ -1,0 +1,311 @@
+"""The control plane: instances, the global scheduler, the request table, the cluster monitor.
+
+    submit() ─least-loaded─► prefill instance ─chunks─► on_step: prefilled ─► Handoff.run
+                                 │ dispatcher (decode loads as last broadcast)      │
+                                 ▼                                                  ▼
+                        decode instance ◄── KV: src.device.send_kv (real copy + emulated link time)
+                                 └─ on_step: tokens ─► the request's queue ─► stream()
+    monitor task: every monitor_interval_s collect decode loads, broadcast to prefill dispatchers
+
+In ``coupled`` mode every instance does both phases with its batching policy and the global
+scheduler picks the least-loaded one. Everything here runs on the event-loop thread.
+
+The cluster is every instance's ``InstanceHost``: instances report once a step (``on_step``) or
+when they fail (``on_failure``), and the cluster reaches them through their façade. Lifecycle
+(flips, adds, removals, failures) and the KV hand-over are composed parts with their own state.
+
+The length predictor (aserve/predict/online.py) starts at submit and runs on its own thread;
+its range is put on the request where a policy first reads it: the handoff (disagg, parallel),
+or before placement (sequential mode; coupled alise). ``finish`` scores it and feeds it back.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from typing import AsyncIterator, Callable, Optional
+
+from aserve.cluster.handoff import Handoff
+from aserve.cluster.lifecycle import Lifecycle
+from aserve.cluster.requests import EventLog, RequestHandle, TokenEvent
+from aserve.config import ClusterConfig, EngineConfig
+from aserve.engine.bundle import ModelBundle
+from aserve.engine.device import CoreShare, Device
+from aserve.engine.instance import Instance, StepReport
+from aserve.engine.policies import Policies
+from aserve.engine.stops import StopChecker
+from aserve.engine.torch_device import TorchDevice
+from aserve.predict.online import OnlinePredictor
+from scheduling.clock import Clock, MonotonicClock
+from scheduling.request import Request, SamplingParams
+
+# (instance id, number of torch threads) -> the device an instance steps on
+DeviceFactory = Callable[[str, int], Device]
+
+
+class Cluster:
+    def __init__(self, engine: EngineConfig, cfg: ClusterConfig, bundle: Optional[ModelBundle] = None,
+                 clock: Optional[Clock] = None):
+        self.engine, self.cfg = engine, cfg
+        self.clock = clock or MonotonicClock()
+        self.bundle = bundle
+        self.policies = Policies.from_configs(engine, cfg)
+        self.instances: dict[str, Instance] = {}
+        self.requests: dict[str, RequestHandle] = {}
+        self.log = EventLog()
+        self.counts = {"finished": 0, "aborted": 0, "failed": 0}
+        self.core_share = CoreShare(cfg.device_share == "dedicated" and engine.device == "cpu", self._cores())
+        self.lifecycle = Lifecycle(cfg, self.clock, self.log, self)
+        self.handoff = Handoff(cfg, self.clock, self.log, self.instances, self.finish, self.lifecycle.rerun)
+        self.predictor = OnlinePredictor(cfg)
+        self.stops: Optional[StopChecker] = None
+        self.loop_lag_s = 0.0
+        self.started = False
+        self._ids = itertools.count()
+        self._tasks: set[asyncio.Task] = set()
+        self._monitor: Optional[asyncio.Task] = None
+
+    # ---- start and stop ----------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.bundle is None:
+            self.bundle = await asyncio.to_thread(ModelBundle.load, self.engine)
+        self.stops = StopChecker(self.bundle.tokenizer, self.bundle.eos_token_ids)
+        # loading (or fitting, the first time) a predictor takes seconds: off the loop
+        await asyncio.to_thread(self.predictor.load, self.bundle.tokenizer.decode, (self.engine.model, self.bundle.path),
+                                self._prediction_gate() == "handoff")
+        roles = (["prefill"] * self.cfg.num_prefill + ["decode"] * self.cfg.num_decode
+                 if self.cfg.mode == "disagg" else ["coupled"] * self.cfg.num_coupled)
+        self.lifecycle.start(roles)
+        self.broadcast()
+        self._monitor = asyncio.create_task(self._monitor_loop(), name="cluster-monitor")
+        self.started = True
+
+    async def stop(self) -> None:
+        for rid in list(self.requests):
+            self.abort(rid)
+        self.lifecycle.stop()
+        if self._monitor:
+            self._monitor.cancel()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for inst in self.instances.values():
+            await inst.stop()
+        await asyncio.to_thread(self.predictor.close)
+        self.started = False
+
+    async def __aenter__(self):
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.stop()
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ---- instances ---------------------------------------------------------------------------
+    def _cores(self) -> int:
+        return self.engine.num_threads or os.cpu_count() or 1
+
+    def threads_per_instance(self, num_instances: int) -> int:
+        return max(1, self._cores() // num_instances)
+
+    def new_instance(self, instance_id: str, role: str, num_threads: int) -> Instance:
+        """An instance over a fresh device (its own KV pool, the shared weights), started."""
+        device = self.make_device(instance_id, num_threads)
+        inst = Instance(instance_id, role, device, self.policies, self.stops, self.clock, self)
+        self.instances[instance_id] = inst
+        self.count_live()
+        inst.start()
+        return inst
+
+    def make_device(self, instance_id: str, num_threads: int) -> Device:
+        return TorchDevice(instance_id, self.bundle, self.engine, num_threads, self.core_share)
+
+    def count_live(self) -> None:
+        """Keep the core share's count of live instances (neither failed nor removed) true."""
+        self.core_share.live = sum(i.state not in ("failed", "removed") for i in self.instances.values())
+
+    # ---- monitor -----------------------------------------------------------------------------
+    async def _monitor_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.cfg.monitor_interval_s
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(interval)
+            self.loop_lag_s = max(0.0, loop.time() - t0 - interval)
+            self.broadcast()
+            self.lifecycle.reclaim_leases()
+
+    def broadcast(self) -> None:
+        """Collect decode instances' loads and hand them to every prefill dispatcher."""
+        loads = [i.decode_load() for i in self.instances.values() if i.role == "decode" and i.state == "active"]
+        for inst in self.instances.values():
+            if inst.role == "prefill":
+                inst.set_decode_loads(loads)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams = SamplingParams(),
+               request_id: Optional[str] = None, prompt_text: str = "",
+               oracle_length: Optional[int] = None) -> RequestHandle:
+        """Enter a request: it goes to the least-loaded prefill (or coupled) instance.
+        ``oracle_length`` (replay knows it) is the true output length the ``oracle`` predictor reads."""
+        assert self.started, "start the cluster first"
+        self.bundle.check_fits(len(prompt_token_ids), sampling.max_tokens)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid!r}")
+        req = Request(rid, list(prompt_token_ids), sampling, arrival_time=self.clock.now(), prompt_text=prompt_text)
+        if oracle_length is not None:
+            req.oracle_length = oracle_length  # predictors.simple.ORACLE_ATTR
+        self._check_capacity(req)
+        req.times["arrival"] = req.arrival_time
+        handle = RequestHandle(req)
+        self.requests[rid] = handle
+        self.predictor.start(req)
+        if not self.predictor.try_attach(req):  # not ready at once (none and oracle are): on its thread
+            gate = self._prediction_gate()
+            if gate == "place":
+                self.spawn(self._place_when_predicted(handle))
+                return handle
+            if gate == "background":
+                self.spawn(self.predictor.attach(req))
+        if not self.place(handle):
+            self.finish(handle, "error", error="no instance can take new requests")
+        return handle
+
+    def _prediction_gate(self) -> str:
+        """Where a request's predicted range must be on it: ``place`` before it enters a queue
+        (sequential mode: the prediction adds to TTFT; coupled alise, whose ranking reads it at
+        add), ``handoff`` before dispatch (disagg, parallel: it overlaps the prefill), or
+        ``background`` (coupled vllm/sarathi read no prediction: it is only scored)."""
+        if self.cfg.predictor_mode == "sequential" or (self.cfg.mode == "coupled" and self.engine.batching == "alise"):
+            return "place"
+        return "background" if self.cfg.mode == "coupled" else "handoff"
+
+    async def _place_when_predicted(self, handle: RequestHandle) -> None:
+        await self.predictor.attach(handle.request)
+        if handle.phase != "queued":  # aborted while its length was being predicted
+            return
+        if not self.place(handle):
+            self.finish(handle, "error", error="no instance can take new requests")
+
+    def place(self, handle: RequestHandle) -> bool:
+        """Send a request with no KV anywhere to the least-loaded active entry instance (prefill
+        or coupled). A request that already streamed tokens and has no coupled instance to go to
+        is taken by a decode instance, which recomputes its prompt + output in one step."""
+        req = handle.request
+        entry = [i for i in self.instances.values() if i.role in ("prefill", "coupled") and i.state == "active"]
+        if entry and not (req.output_token_ids and entry[0].role == "prefill"):
+            inst = min(entry, key=lambda i: (i.num_queued_tokens, i.id))
+            handle.instance_id, handle.phase = inst.id, "prefill"
+            if inst.role == "prefill":
+                handle.prefill_instance = inst.id
+        else:
+            decode = [i for i in self.instances.values() if i.role == "decode" and i.state == "active"]
+            if not decode:
+                return False
+            inst = min(decode, key=lambda i: (i.num_requests, i.id))
+            handle.instance_id, handle.decode_instance, handle.phase = inst.id, inst.id, "decode"
+        inst.submit(req)
+        return True
+
+    def _check_capacity(self, req: Request) -> None:
+        """Refuse, before the request enters the table, what no instance's KV pool could ever hold."""
+        need = -(-(req.max_total_tokens() + 1) // self.engine.block_size)
+        largest = max((i.blocks.num_blocks for i in self.instances.values()), default=0)
+        if need > largest:
+            raise ValueError(f"prompt plus max_tokens needs {need} KV blocks; the largest instance has {largest}")
+
+    async def stream(self, handle: RequestHandle) -> AsyncIterator[TokenEvent]:
+        """Token events of one request until its final event; abort it if the consumer goes away."""
+        try:
+            while True:
+                ev = await handle.queue.get()
+                yield ev
+                if ev.finished:
+                    return
+        finally:
+            if handle.phase != "done":
+                self.abort(handle.request.request_id)
+
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams = SamplingParams(),
+                       request_id: Optional[str] = None) -> Request:
+        handle = self.submit(prompt_token_ids, sampling, request_id)
+        async for _ in self.stream(handle):
+            pass
+        return handle.request
+
+    def abort(self, request_id: str) -> bool:
+        """End a request wherever it is and free its blocks on every instance."""
+        handle = self.requests.get(request_id)
+        if handle is None or handle.phase == "done":
+            return False
+        handle.aborted = True
+        if handle.phase == "transfer":
+            return True  # the handoff task sees the flag and frees both sides
+        inst = self.instances.get(handle.instance_id)
+        if inst is not None:
+            inst.abort(request_id)
+        self.finish(handle, "abort")
+        return True
+
+    # ---- InstanceHost: what instances report -------------------------------------------------
+    def on_step(self, instance: Instance, report: StepReport) -> None:
+        if report.features:  # before the handoffs below, which wait for the ranges they give
+            self.predictor.feed(report.features)
+        for req, reason in report.tokens:
+            self._deliver(req, reason)
+        for req in report.prefilled:
+            handle = self.requests.get(req.request_id)
+            if handle is None or handle.phase == "done":
+                continue
+            handle.phase = "transfer"
+            self.spawn(self._handoff(instance, handle))
+
+    def on_failure(self, instance: Instance, why: str) -> None:
+        self.lifecycle.on_failure(instance, why)
+
+    def _deliver(self, req: Request, reason: Optional[str]) -> None:
+        """One new token of ``req`` to its consumer; ``reason``: the instance's stop check ended it."""
+        handle = self.requests.get(req.request_id)
+        if handle is None or handle.phase == "done":
+            return
+        now = self.clock.now()
+        req.times.setdefault("first_token", now)
+        handle.token_times.append(now)
+        handle.queue.put_nowait(TokenEvent(req.output_token_ids[-1]))
+        if reason:
+            self.finish(handle, reason)
+
+    async def _handoff(self, src: Instance, handle: RequestHandle) -> None:
+        await self.predictor.attach(handle.request)  # parallel mode: the dispatcher and decode policies read it
+        await self.handoff.run(src, handle)
+
+    def finish(self, handle: RequestHandle, reason: str, error: Optional[str] = None) -> None:
+        req = handle.request
+        req.finish_reason, req.error = reason, error
+        req.times["finish"] = self.clock.now()
+        handle.phase = "done"
+        self.predictor.finish(req)
+        key = {"abort": "aborted", "error": "failed"}.get(reason, "finished")
+        if error:
+            self.log.log("request_failed", handle.instance_id, f"{req.request_id}: {error}")
+        self.counts[key] += 1
+        handle.queue.put_nowait(TokenEvent(None, True, reason, error))
+        self.requests.pop(req.request_id, None)
+
+    # ---- views -------------------------------------------------------------------------------
+    def all_counts(self) -> dict:
+        """Requests ended by outcome, and the lifecycle's and hand-over's counters."""
+        return {**self.counts, **self.lifecycle.counts, **self.handoff.counts}
+
+    def free_blocks(self) -> dict[str, int]:
+        return {iid: inst.blocks.num_free for iid, inst in self.instances.items()}
+
+    def total_blocks(self) -> dict[str, int]:
+        return {iid: inst.blocks.num_blocks for iid, inst in self.instances.items()}

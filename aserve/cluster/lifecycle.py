@@ -1,0 +1,308 @@
+"""Instance lifecycle: flips, adding and removing instances, failures. Everything runs on the
+event-loop thread (the thread rule).
+
+Flip (TetriInfer §3.5, Figure 10)::
+
+    active ──flip()──► draining ──holds nothing, no KV moving──► flipping ──► active (other role)
+              │  prefill: the global scheduler stops sending it requests
+              │  decode:  every dispatcher stops choosing it; it finishes what it runs
+
+Only the role variable and the scheduler object change: the step loop's task, the model weights,
+the device and its KV pool stay. ``drain_s`` and ``flip_s`` (the switch alone, the paper's 5-7
+ms) are recorded separately. ``remove`` drains the same way, then stops the instance and frees
+its device.
+
+Failure: a step that raises, or a loop that dies, reaches ``on_failure``. The instance is marked
+``failed`` and leaves every routing view; each request it held is re-run from its prompt on a
+healthy instance (``on_failure="rerun"``, the default) keeping the tokens already streamed, so
+the client sees only latency; with no healthy instance left (or ``on_failure="error"``) it ends
+with a clear error. Decode-side blocks reserved for KV that never arrives are reclaimed after
+``lease_s``.
+
+``Lifecycle`` is composed into the cluster and reaches it through ``ControlPlane`` only.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Optional, Protocol
+
+from aserve.cluster.handoff import Handoff
+from aserve.cluster.requests import EventLog, RequestHandle
+from aserve.config import ClusterConfig
+from aserve.engine.instance import Instance
+from aserve.engine.policies import ROLES
+from scheduling import registry
+from scheduling.clock import Clock
+from scheduling.flip import InstanceView, other_role
+from scheduling.request import Status
+
+DRAIN_POLL_S = 0.002
+
+
+class InstanceError(ValueError):
+    """A lifecycle request that cannot be carried out (unknown id, last of its role, ...)."""
+
+    def __init__(self, message: str, status: int = 409):
+        super().__init__(message)
+        self.status = status  # the HTTP status the admin API answers with
+
+
+class ControlPlane(Protocol):
+    """What the lifecycle needs of the cluster that owns it."""
+
+    instances: dict[str, Instance]
+    requests: dict[str, RequestHandle]
+    handoff: Handoff
+
+    def place(self, handle: RequestHandle) -> bool: ...
+
+    def finish(self, handle: RequestHandle, reason: str, error: Optional[str] = None) -> None: ...
+
+    def broadcast(self) -> None: ...
+
+    def spawn(self, coro) -> asyncio.Task: ...
+
+    def new_instance(self, instance_id: str, role: str, num_threads: int) -> Instance: ...
+
+    def threads_per_instance(self, num_instances: int) -> int: ...
+
+    def count_live(self) -> None: ...
+
+
+class Lifecycle:
+    def __init__(self, cfg: ClusterConfig, clock: Clock, log: EventLog, plane: ControlPlane):
+        self.cfg, self.clock, self.log, self.plane = cfg, clock, log, plane
+        self.flip_log: list[dict] = []  # every flip: instance, from, to, drain_s, flip_s, reason
+        self.counts = {"flips": 0, "reruns": 0, "reclaimed": 0, "instance_failures": 0}
+        self.flip_policy = registry.get("flip", cfg.flip)(**self._flip_options())
+        self._watcher: Optional[asyncio.Task] = None
+        self._next_instance = 0
+        self._changing: set[str] = set()  # instances being drained / flipped / removed
+
+    def _flip_options(self) -> dict:
+        if self.cfg.flip == "ratio":
+            return {"window_s": self.cfg.flip_window_s}
+        if self.cfg.flip == "idle":
+            return {"idle_s": self.cfg.flip_idle_s}
+        return {}
+
+    # ---- start and stop ------------------------------------------------------------------------
+    def start(self, roles: list[str]) -> None:
+        """The first instances (sharing the cores evenly) and, if flips are on, the watcher."""
+        threads = self.plane.threads_per_instance(len(roles))
+        for role in roles:
+            self._create(role, threads)
+        if self.cfg.flip != "off" and self.cfg.mode == "disagg":
+            self._watcher = asyncio.create_task(self._watch(), name="flip-watcher")
+
+    def stop(self) -> None:
+        if self._watcher:
+            self._watcher.cancel()
+
+    def _create(self, role: str, threads: int) -> Instance:
+        iid = f"{role[0]}{self._next_instance}"
+        self._next_instance += 1
+        return self.plane.new_instance(iid, role, threads)
+
+    # ---- the transition watcher ----------------------------------------------------------------
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.flip_check_s)
+            if self._changing:
+                continue
+            decision = self.flip_policy.decide(self.clock.now(), self.views())
+            if decision is not None:
+                self.plane.spawn(self._flip_quietly(decision.instance_id, decision.to_role, decision.reason))
+
+    async def _flip_quietly(self, iid: str, role: str, reason: str) -> None:
+        try:
+            await self.flip(iid, role, reason=reason)
+        except InstanceError as e:  # the cluster changed since the decision: log, do not crash
+            self.log.log("flip_refused", iid, str(e))
+
+    def views(self) -> list[InstanceView]:
+        """What the flip policy may know of each instance."""
+        views = []
+        for inst in self.plane.instances.values():
+            decode = inst.role == "decode"
+            views.append(InstanceView(
+                inst.id, inst.role, inst.state, inst.busy_by_role["prefill"], inst.busy_by_role["decode"],
+                inst.num_prefill_tokens, inst.num_decode_tokens,
+                inst.num_queued_tokens if inst.role == "prefill" else 0,
+                inst.num_requests if decode else 0,
+                inst.num_waiting + self.plane.handoff.receiving(inst.id) if decode else 0))
+        return views
+
+    # ---- flips, adds, removals -----------------------------------------------------------------
+    def get(self, iid: str) -> Instance:
+        inst = self.plane.instances.get(iid)
+        if inst is None:
+            known = ", ".join(self.plane.instances) or "none"
+            raise InstanceError(f"no instance {iid!r}; instances: {known}", 404)
+        return inst
+
+    def _check_leaving(self, inst: Instance, what: str) -> None:
+        """Refuse to take away the last active instance a mode needs."""
+        if inst.state != "active" or inst.id in self._changing:
+            raise InstanceError(f"instance {inst.id} is {inst.state}{' and changing' if inst.id in self._changing else ''}")
+        peers = [i for i in self.plane.instances.values()
+                 if i.role == inst.role and i.state == "active" and i.id not in self._changing]
+        if len(peers) <= 1:
+            raise InstanceError(f"cannot {what} {inst.id}: it is the last active {inst.role} instance")
+
+    async def _drain(self, inst: Instance) -> float:
+        """Stop routing to ``inst`` and wait until it holds nothing and moves no KV; seconds."""
+        t0 = time.perf_counter()
+        inst.state = "draining"
+        self.plane.broadcast()  # dispatchers drop it now, not at the next monitor tick
+        if inst.role == "prefill":  # queued prompts not started yet go to the other prefill instances
+            for req in inst.take_unstarted():
+                handle = self.plane.requests.get(req.request_id)
+                if handle is not None and not self.plane.place(handle):
+                    self.plane.finish(handle, "error", error="no instance can take the request")
+        while inst.num_requests or self.plane.handoff.moving(inst.id):
+            if inst.state == "failed":
+                raise InstanceError(f"instance {inst.id} failed while draining: {inst.failure}")
+            await asyncio.sleep(DRAIN_POLL_S)
+        return time.perf_counter() - t0
+
+    async def flip(self, iid: str, to_role: Optional[str] = None, reason: str = "asked") -> dict:
+        """Drain instance ``iid`` and switch it to ``to_role`` (default: the other role)."""
+        inst = self.get(iid)
+        if self.cfg.mode != "disagg":
+            raise InstanceError("flips need disaggregated mode")
+        to_role = to_role or other_role(inst.role)
+        if to_role == inst.role or to_role not in ("prefill", "decode"):
+            raise InstanceError(f"cannot flip {iid} from {inst.role} to {to_role}", 400)
+        self._check_leaving(inst, "flip")
+        self._changing.add(iid)
+        try:
+            drain_s = await self._drain(inst)
+            t0 = time.perf_counter()
+            inst.state = "flipping"
+            from_role = inst.role
+            await inst.switch_role(to_role)
+            inst.state = "active"
+            flip_s = time.perf_counter() - t0
+        except BaseException:
+            if inst.state != "failed":
+                inst.state = "active"
+            raise
+        finally:
+            self._changing.discard(iid)
+            self.plane.broadcast()
+        record = {"time": time.time(), "instance": iid, "from": from_role, "to": to_role,
+                  "drain_s": drain_s, "flip_s": flip_s, "reason": reason}
+        self.flip_log.append(record)
+        self.counts["flips"] += 1
+        self.flip_policy.note_flip(self.clock.now())
+        self.log.log("flip", iid, f"{from_role} -> {to_role} (drain {drain_s * 1e3:.0f} ms, "
+                                 f"flip {flip_s * 1e3:.1f} ms): {reason}")
+        return record
+
+    def add(self, role: str) -> Instance:
+        """A new instance with its own KV pool, sharing the loaded weights; routed to at once."""
+        if role not in ROLES or (role == "coupled") != (self.cfg.mode == "coupled"):
+            allowed = "coupled" if self.cfg.mode == "coupled" else "prefill or decode"
+            raise InstanceError(f"bad role {role!r} for {self.cfg.mode} mode: {allowed}", 400)
+        live = sum(i.state != "failed" for i in self.plane.instances.values())
+        inst = self._create(role, self.plane.threads_per_instance(live + 1))
+        self.plane.broadcast()
+        self.log.log("instance_added", inst.id, f"added a {role} instance")
+        return inst
+
+    async def remove(self, iid: str) -> dict:
+        """Drain ``iid`` (no request is lost), stop it and free its device."""
+        inst = self.get(iid)
+        if inst.state != "failed":
+            self._check_leaving(inst, "remove")
+            self._changing.add(iid)
+            try:
+                drain_s = await self._drain(inst)
+            except BaseException:
+                if inst.state != "failed":
+                    inst.state = "active"
+                self._changing.discard(iid)
+                raise
+        else:
+            drain_s = 0.0
+        inst.state = "removed"
+        self._changing.discard(iid)
+        self.plane.count_live()
+        await inst.stop()
+        self.plane.instances.pop(iid, None)
+        self.plane.handoff.forget_instance(iid)
+        self.plane.broadcast()
+        self.log.log("instance_removed", iid, f"removed after a {drain_s * 1e3:.0f} ms drain")
+        return {"instance": iid, "drain_s": drain_s}
+
+    def instances_view(self) -> list[dict]:
+        """The admin view: role, state and load of every instance."""
+        return [{"id": i.id, "role": i.role, "state": i.state, "device": i.device.kind,
+                 "requests": i.num_requests, "queued_tokens": i.num_queued_tokens,
+                 "free_blocks": i.blocks.num_free, "total_blocks": i.blocks.num_blocks,
+                 "busy_s": i.busy_s, "flips": i.num_flips, "failure": i.failure}
+                for i in self.plane.instances.values()]
+
+    # ---- failures ------------------------------------------------------------------------------
+    def inject_fault(self, iid: str) -> None:
+        """Fault drill: the instance's next step raises, as a device error would."""
+        self.get(iid).inject_fault()
+
+    def kill(self, iid: str, why: str = "killed") -> None:
+        """Fault drill: the instance's loop dies now, mid-step or idle."""
+        inst = self.get(iid)
+        if inst.task is not None:
+            inst.task.cancel()
+        self.on_failure(inst, why)
+
+    def on_failure(self, inst: Instance, why: str) -> None:
+        """Mark ``inst`` failed, route around it, and re-run (or fail) every request it held."""
+        if inst.state in ("failed", "removed"):
+            return
+        inst.state, inst.failure = "failed", why
+        self.counts["instance_failures"] += 1
+        self.log.log("instance_failed", inst.id, why)
+        self.plane.count_live()
+        self.plane.broadcast()
+        for handle in list(self.plane.requests.values()):
+            if handle.phase == "done":
+                continue
+            held_here = handle.instance_id == inst.id and handle.phase in ("prefill", "decode")
+            sent_from_here = handle.phase == "transfer" and handle.prefill_instance == inst.id
+            if held_here or sent_from_here:
+                self.rerun(handle, f"instance {inst.id} failed: {why}")
+        # transfers towards it notice on their own (the receiver is no longer active) and retry
+
+    def rerun(self, handle: RequestHandle, why: str) -> None:
+        """Start the request again from its prompt on a healthy instance (its KV is gone). The
+        tokens already streamed stay: they are recomputed with the prompt, and generation goes on
+        after them, so the client sees a pause, not a restart."""
+        req = handle.request
+        if self.plane.handoff.defer_rerun(req.request_id, why):
+            return  # its KV is landing on a decode instance: the hand-over re-runs it once it has
+        handle.epoch += 1
+        if self.cfg.on_failure == "error":
+            self.plane.finish(handle, "error", error=why)
+            return
+        for inst in self.plane.instances.values():  # a handoff's reservation for it, wherever it is
+            if inst.reserves_kv_for(req.request_id):
+                inst.abort(req.request_id)
+        req.block_ids, req.num_computed_tokens, req.status = [], 0, Status.WAITING
+        handle.prefill_instance = handle.decode_instance = None
+        if self.plane.place(handle):
+            self.counts["reruns"] += 1
+            self.log.log("rerun", handle.instance_id, f"{req.request_id} re-run after: {why}")
+        else:
+            self.plane.finish(handle, "error", error=f"{why}; no healthy instance is left to re-run it")
+
+    def reclaim_leases(self) -> None:
+        """Free decode-side reservations whose KV never arrived within ``lease_s``."""
+        moving = {rid for rid, h in self.plane.requests.items() if h.phase == "transfer"}
+        for inst in self.plane.instances.values():
+            if inst.role != "decode" or inst.state == "failed":
+                continue
+            for rid in inst.reclaim_kv(self.cfg.lease_s, keep=moving):
+                self.counts["reclaimed"] += 1
+                self.log.log("lease_expired", inst.id, f"freed the blocks reserved for {rid}")

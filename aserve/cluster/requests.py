@@ -1,0 +1,44 @@
+"""The request table's rows and the events a request's consumer reads."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from scheduling.request import Request
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: Optional[int]  # None on a final event that carries no token (abort, error)
+    finished: bool = False
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class RequestHandle:
+    """One request's row in the control plane's request table: where it is and its event queue."""
+
+    request: Request
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    instance_id: Optional[str] = None
+    phase: str = "queued"  # queued | prefill | transfer | decode | done
+    aborted: bool = False
+    token_times: list = field(default_factory=list)
+    prefill_instance: Optional[str] = None
+    decode_instance: Optional[str] = None
+    epoch: int = 0  # bumped when the request is re-run elsewhere: stale handoffs see it and stop
+
+
+class EventLog:
+    """What the monitor shows as events: flips, failures, re-runs, retries, rejections. Every
+    part of the control plane writes to the one log; each keeps its own counters."""
+
+    def __init__(self, maxlen: int = 500):
+        self.events: collections.deque = collections.deque(maxlen=maxlen)
+
+    def log(self, kind: str, instance: Optional[str], message: str) -> None:
+        self.events.append({"time": time.time(), "kind": kind, "instance": instance, "message": message})

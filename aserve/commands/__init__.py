@@ -1,0 +1,36 @@
+"""The command layer: argument parsing and config building for every subcommand.
+
+``cli.py`` calls ``main``; each module here registers its subcommands (``register``) and turns
+parsed flags into frozen configs, then calls into the packages that do the work. A new command
+is a module with a ``register(subparsers)``, listed in ``COMMANDS``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from aserve.commands import bench, generate, monitor, predictor, profile, replay, serve
+
+EXIT_USAGE = 2
+COMMANDS = (generate, bench, profile, serve, replay, predictor, monitor)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="aserve", description="aserve's command line: argparse -> frozen configs -> run. "
+                                "Bad input: one line, exit code 2.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for module in COMMANDS:
+        module.register(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from model.config import UnsupportedModel
+    from model.loader import ModelNotFound
+
+    try:
+        return args.func(args) or 0
+    except (ModelNotFound, UnsupportedModel, ValueError, FileNotFoundError) as e:
+        print(f"aserve: error: {e}", file=sys.stderr)
+        return EXIT_USAGE

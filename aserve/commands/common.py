@@ -1,0 +1,138 @@
+"""The engine and cluster flags every serving command shares, and the frozen configs they make.
+
+Configs are built here, once, from the parsed flags (and the measured-settings cache where a
+flag is left to its default), then passed down; nothing below reads flags or the environment.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct, bundled), a local HF checkpoint folder, or a .gguf file")
+    g.add_argument("--dtype", default="auto", help="auto | bf16 | fp16 | fp32 (auto: bf16 on CUDA and AMX/AVX512-BF16 CPUs)")
+    g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:i")
+    g.add_argument("--attention", default="auto",
+                   help="attention backend: auto | reference | sdpa | native | flash (auto: native on CPU, flash or sdpa on CUDA)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool size per instance, GiB")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default: with --batching sarathi the budget "
+                        "'aserve profile token-budget' saved for this model, else 512)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="requests in one batch at most")
+    g.add_argument("--batching", default="sarathi", help="coupled batching policy: sarathi | vllm | alise")
+    g.add_argument("--swap-gb", type=float, default=0.25, help="host swap space for preempted KV, GiB")
+    g.add_argument("--swap-dtype", default="same",
+                   help="how swapped KV is stored: same (the model dtype) | int8 (channel-wise scales, ALISE Eq. 8)")
+    g.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0 = all cores)")
+    g.add_argument("--cache-dir", default=None, help="where the dequantised default model is cached")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--mode", default=default_mode, help="disagg (prefill and decode instances) | coupled"
+                   + (" | offline (no cluster)" if default_mode == "offline" else ""))
+    g.add_argument("--prefill", type=int, default=1, help="prefill instances (disagg)")
+    g.add_argument("--decode", type=int, default=1, help="decode instances (disagg)")
+    g.add_argument("--instances", type=int, default=2, help="coupled instances (coupled)")
+    g.add_argument("--prefill-policy", default="fcfs", help="fcfs | sjf | ljf")
+    g.add_argument("--prefill-sched-batch", type=int, default=16)
+    g.add_argument("--chunk-size", type=int, default=None,
+                   help="fixed prefill chunk, tokens (default: the saturate_chunk 'aserve bench engine' measured, else 512)")
+    g.add_argument("--no-pad", action="store_true", help="do not pad the last chunk to the chunk size")
+    g.add_argument("--dispatch", default="interference",
+                   help="interference | random | round-robin | least-loaded | imbalance")
+    g.add_argument("--decode-policy", default="greedy", help="greedy | reserve-static | reserve-dynamic")
+    g.add_argument("--preemption", default="recompute", help="recompute | swap")
+    g.add_argument("--predictor", default="oracle",
+                   help="output-length predictor: none | oracle | sklearn | lm | retrieval (predictors/README.md)")
+    g.add_argument("--predictor-granularity", type=int, default=200,
+                   help="length bucket width, tokens: 100 | 200 | 400")
+    g.add_argument("--predictor-mode", default="parallel",
+                   help="parallel: beside the prefill, awaited at the KV handoff | "
+                        "sequential: before the prefill (adds to TTFT)")
+    g.add_argument("--predictor-features", default="auto",
+                   help="auto | prefill | prompt: where a predictor whose backbone is the served model (lm) "
+                        "gets its features: the request's own prefill (auto: where it can, disagg + parallel) "
+                        "or its own pass over the prompt")
+    g.add_argument("--predictor-timeout", type=float, default=0.5,
+                   help="seconds a prediction may take; past them the request goes on without one (counted)")
+    g.add_argument("--predictor-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="backend option, repeatable, JSON values (e.g. device=cuda, classifier=logreg)")
+    g.add_argument("--predictor-path", default=None,
+                   help="a saved predictor folder (default: the artefact 'aserve predictor train' caches, else fit one)")
+    g.add_argument("--predictor-labels", default=None,
+                   help="labels to fit on when no artefact exists (default: the committed set)")
+    g.add_argument("--predictor-prompts", default=None,
+                   help="the prompts those labels refer to (default: the shared pool)")
+    g.add_argument("--link", default="nvlink", help="nvlink | roce | pcie | bw=25GB/s,latency=5us")
+    g.add_argument("--emulate-model", default=None, help="charge the link for this model's KV size (e.g. opt-13b)")
+    g.add_argument("--emulate-kv-bytes-per-token", type=int, default=None)
+    g.add_argument("--monitor-interval", type=float, default=0.1, help="seconds between load broadcasts")
+    g.add_argument("--flip", default="off", help="instance flips: off | idle | ratio (disagg)")
+    g.add_argument("--flip-window", type=float, default=10.0, help="ratio flips: seconds of measured work")
+    g.add_argument("--flip-idle", type=float, default=60.0, help="idle flips: seconds an instance must be idle")
+    g.add_argument("--on-failure", default="rerun", help="a failed instance's requests: rerun | error")
+    g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds before a KV transfer is retried")
+    g.add_argument("--lease", type=float, default=60.0,
+                   help="seconds before decode blocks reserved for KV that never came are freed")
+    g.add_argument("--device-share", default="shared",
+                   help="shared: instances share the CPU's cores | dedicated: emulate one device per instance "
+                        "(cores/N of a core each, an idle instance's share is lost), as on GPUs")
+
+
+def cluster_config(a: argparse.Namespace):
+    from aserve.config import ClusterConfig
+    from aserve.engine.profile_store import saturate_chunk
+
+    chunk = a.chunk_size or saturate_chunk(a.cache_dir, a.model, a.device, a.dtype)
+    return ClusterConfig(mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, num_coupled=a.instances,
+                         prefill_policy=a.prefill_policy, prefill_sched_batch=a.prefill_sched_batch,
+                         chunk_size=chunk, pad=not a.no_pad, dispatch=a.dispatch, decode_policy=a.decode_policy,
+                         preemption=a.preemption, predictor=a.predictor, predictor_granularity=a.predictor_granularity,
+                         predictor_mode=a.predictor_mode, predictor_timeout_s=a.predictor_timeout,
+                         predictor_features=a.predictor_features,
+                         predictor_options=parse_options(a.predictor_option, "predictor-option"),
+                         predictor_path=a.predictor_path, predictor_labels=a.predictor_labels,
+                         predictor_prompts=a.predictor_prompts, link=a.link, emulate_model=a.emulate_model,
+                         emulate_kv_bytes_per_token=a.emulate_kv_bytes_per_token,
+                         monitor_interval_s=a.monitor_interval, flip=a.flip, flip_window_s=a.flip_window,
+                         flip_idle_s=a.flip_idle, on_failure=a.on_failure, transfer_timeout_s=a.transfer_timeout,
+                         lease_s=a.lease, device_share=a.device_share, seed=a.seed)
+
+
+def engine_config(a: argparse.Namespace):
+    from aserve.config import EngineConfig
+    from aserve.engine.profile_store import DEFAULT_TOKEN_BUDGET, token_budget
+
+    budget = a.max_num_batched_tokens
+    if budget is None:
+        saved = token_budget(a.cache_dir, a.model, a.device, a.dtype, a.threads) if a.batching == "sarathi" else None
+        budget = saved or DEFAULT_TOKEN_BUDGET
+    return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention, block_size=a.block_size,
+                        kv_cache_gb=a.kv_cache_gb, max_num_batched_tokens=budget,
+                        max_num_seqs=a.max_num_seqs, batching=a.batching, swap_gb=a.swap_gb,
+                        swap_dtype=a.swap_dtype, num_threads=a.threads, cache_dir=a.cache_dir, seed=a.seed)
+
+
+def parse_options(items: list[str], field: str = "option") -> dict:
+    """``["k=3", "pooling=last"]`` -> ``{"k": 3, "pooling": "last"}`` (values read as JSON when they parse)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"field {field!r}: expected KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def sampling_from(a: argparse.Namespace):
+    from scheduling.request import SamplingParams
+
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                          seed=a.seed if a.temperature > 0 else None, stop=tuple(a.stop), ignore_eos=a.ignore_eos)

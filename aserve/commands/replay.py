@@ -1,0 +1,194 @@
+"""``aserve replay`` and ``aserve workload``: argparse -> frozen configs -> replay -> report.
+
+    aserve replay TRACE [fit flags] [--prompts FILE] [--url URL] [--compare 'A: flags ; B: flags']
+                        [--json FILE] [--plots DIR] [--slo ttft=1,tbt=200ms] [engine and cluster flags]
+    aserve workload NAME [--num-requests 128] [--out traces/NAME.jsonl] [--rate 1.0]
+
+``--compare`` items are parsed with the same engine and cluster flags (add_engine_args,
+add_cluster_args) on top of the command line's own values; flags that change the model
+bundle (model, dtype, device, attention, cache dir) may not differ between systems, since the
+bundle is loaded once and shared.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import shlex
+from collections import Counter
+from pathlib import Path
+
+from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config, engine_config
+from aserve.event_loop import run as run_loop
+
+BUNDLE_FLAGS = ("model", "dtype", "device", "attention", "cache_dir")
+
+
+def _system_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="--compare item", add_help=False, exit_on_error=False)
+    add_engine_args(p)
+    add_cluster_args(p)
+    return p
+
+
+def parse_compare(text: str, base: argparse.Namespace) -> list:
+    """``'NAME: flags ; NAME: flags'`` -> SystemSpecs, each over a copy of the command line's values."""
+    from aserve.replay.driver import SystemSpec
+
+    specs = []
+    for item in filter(None, (s.strip() for s in text.split(";"))):
+        name, sep, flags = item.partition(":")
+        if not sep or not name.strip():
+            raise ValueError(f"bad --compare item {item!r}: use 'NAME: flags'")
+        ns = copy.copy(base)
+        try:
+            ns, extra = _system_parser().parse_known_args(shlex.split(flags), namespace=ns)
+        except argparse.ArgumentError as e:
+            raise ValueError(f"--compare {name.strip()}: {e}") from None
+        if extra:
+            raise ValueError(f"--compare {name.strip()}: unknown flags {' '.join(extra)}")
+        changed = [f for f in BUNDLE_FLAGS if getattr(ns, f) != getattr(base, f)]
+        if changed:
+            raise ValueError(f"--compare {name.strip()}: {', '.join(changed)} cannot differ between systems "
+                             "(one model bundle is shared)")
+        specs.append(SystemSpec(name.strip(), engine_config(ns), cluster_config(ns)))
+    if len({s.name for s in specs}) != len(specs):
+        raise ValueError("--compare names must be distinct")
+    if not specs:
+        raise ValueError("--compare has no systems")
+    return specs
+
+
+def add_fit_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("trace fitting")
+    g.add_argument("--num-requests", type=int, default=None, help="replay only the first N requests")
+    g.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (0.5 = twice as fast)")
+    g.add_argument("--rate", type=float, default=None,
+                   help="req/s: rescale a timed trace to this mean rate, or draw arrivals for an untimed one")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="Gamma shape of drawn inter-arrival times (1 = Poisson, < 1 burstier)")
+    g.add_argument("--max-prompt-tokens", type=int, default=None, help="clip prompts to this length")
+    g.add_argument("--max-output-tokens", type=int, default=None, help="clip outputs to this length")
+    g.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and output lengths")
+
+
+def fit_options(a: argparse.Namespace, context: int, **override):
+    """The fit flags of ``a`` as ``FitOptions`` for a model of ``context`` tokens; ``override``
+    replaces fields (``bench capacity`` sets the rate it probes)."""
+    from dataclasses import replace
+
+    from aserve.replay.traces import FitOptions
+
+    opts = FitOptions(a.num_requests, a.time_scale, a.rate, a.burstiness, a.max_prompt_tokens, a.max_output_tokens,
+                      a.length_scale, context, a.seed)
+    return replace(opts, **override)
+
+
+def register(subparsers) -> None:
+    from aserve.replay.workloads import WORKLOADS
+
+    r = subparsers.add_parser("replay", help="replay a request trace and report TTFT/TBT/JCT, resource usage, perf/$")
+    r.add_argument("trace", help="Azure CSV, lengths CSV, Mooncake JSONL or aserve JSONL (auto-detected)")
+    r.add_argument("--prompts", default=None, help="JSONL with 'prompt' text: real prompts cut/extended to length "
+                   "(default: random token ids)")
+    r.add_argument("--chat", action="store_true", help="send each request's text (the trace's own) as one chat "
+                   "turn with the model's chat template, as a chat client does; its length is the template's")
+    r.add_argument("--url", default=None, help="replay against this OpenAI-compatible server instead of in-process")
+    r.add_argument("--api-model", default=None, help="model name to send with --url (default: the server's first)")
+    r.add_argument("--compare", default=None, help="'NAME: flags ; NAME: flags': systems replayed in turn")
+    r.add_argument("--name", default=None, help="the system's name when not comparing")
+    r.add_argument("--json", default=None, help="write the report here")
+    r.add_argument("--plots", default=None, help="write PNG plots into this folder")
+    r.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=1,tbt=200ms (keys ttft, tbt = the request's "
+                   "mean TBT, jct, norm; seconds or ms)")
+    r.add_argument("--timeout", type=float, default=None, help="per system: abort what is left after this many s")
+    r.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up request per instance")
+    r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    add_fit_args(r)
+    add_engine_args(r)
+    add_cluster_args(r)
+    r.set_defaults(func=cmd_replay)
+
+    w = subparsers.add_parser("workload", help=f"write one of the paper's workloads ({', '.join(WORKLOADS)}) as JSONL")
+    w.add_argument("name", help=" | ".join(WORKLOADS))
+    w.add_argument("--num-requests", type=int, default=128)
+    w.add_argument("--out", default=None, help="output file (default traces/NAME.jsonl)")
+    w.add_argument("--rate", type=float, default=1.0, help="mean arrival rate, req/s")
+    w.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape (1 = Poisson)")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--lengths", default=None, help="ShareGPT length table (default: the shared data copy)")
+    w.set_defaults(func=cmd_workload)
+
+
+def cmd_workload(a: argparse.Namespace) -> int:
+    from aserve.replay.workloads import SHAREGPT_LENGTHS, canonical_name, make_workload, write_workload
+
+    name = canonical_name(a.name)
+    pairs = make_workload(name, a.num_requests, a.rate, a.burstiness, a.seed, Path(a.lengths or SHAREGPT_LENGTHS))
+    path = write_workload(pairs, a.out or Path("traces") / f"{name}.jsonl")
+    reqs = [r for _, r in pairs]
+    counts = ", ".join(f"{c} {n}" for c, n in sorted(Counter(c for c, _ in pairs).items()))
+    print(f"{path}: {len(reqs)} requests ({counts}), mean prompt {sum(r.prompt_tokens for r in reqs) / len(reqs):.0f} "
+          f"and output {sum(r.output_tokens for r in reqs) / len(reqs):.0f} tokens, over {reqs[-1].arrival_s:.1f} s")
+    return 0
+
+
+def _tokenizer_and_context(a: argparse.Namespace, engine):
+    """Over HTTP only the tokenizer is loaded; in-process the whole bundle (once, shared)."""
+    if a.url:
+        from transformers import AutoTokenizer
+
+        from model.config import ModelArgs
+        from model.loader import read_config, resolve_model
+
+        path = resolve_model(engine.model, Path(engine.cache_dir) if engine.cache_dir else None)
+        return None, AutoTokenizer.from_pretrained(path), ModelArgs.from_hf(read_config(path)).max_position
+    from aserve.engine.bundle import ModelBundle
+
+    bundle = ModelBundle.load(engine)
+    return bundle, bundle.tokenizer, bundle.args.max_position
+
+
+async def _run(a, specs, trace, prompts, bundle, progress) -> list:
+    from aserve.replay.driver import replay_systems
+    from aserve.replay.http_target import replay_http
+
+    if a.url:
+        return [await replay_http(a.url, a.name or a.url, trace, prompts, progress, a.api_model, a.timeout)]
+    return await replay_systems(specs, trace, prompts, bundle, progress, a.warmup, a.timeout)
+
+
+def cmd_replay(a: argparse.Namespace) -> int:
+    """Fit the trace, build prompts, replay every system, print the table, write JSON and plots."""
+    from aserve.replay.driver import ReplayProgress, SystemSpec, default_name
+    from aserve.replay.report import build_report, parse_slo, print_report, write_json
+    from aserve.replay.traces import load_trace
+    from aserve.replay.workloads import PromptBuilder
+
+    slo, engine = parse_slo(a.slo), engine_config(a)
+    if a.url and a.compare:
+        raise ValueError("--compare runs in-process systems; it cannot be combined with --url")
+    if a.chat and (a.max_prompt_tokens or a.length_scale != 1.0 or a.prompts):
+        raise ValueError("--chat sends each request's own text whole: it cannot be combined with "
+                         "--max-prompt-tokens, --length-scale or --prompts")
+    specs = (parse_compare(a.compare, a) if a.compare else
+             [SystemSpec(a.name or default_name(engine, cluster_config(a)), engine, cluster_config(a))])
+    bundle, tokenizer, context = _tokenizer_and_context(a, engine)
+    builder = PromptBuilder(tokenizer, Path(a.prompts) if a.prompts else None, a.seed, chat=a.chat)
+    count = (lambda text: len(builder.chat_ids(text))) if a.chat else \
+        (lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+    trace = load_trace(a.trace, fit_options(a, context), count)
+    prompts = builder.build(trace.requests)
+    with ReplayProgress(a.progress) as progress:
+        runs = run_loop(_run(a, specs, trace, prompts, bundle, progress))
+    summary = {**trace.summary(), "prompts": builder.describe(trace.requests), "target": a.url or "in-process"}
+    report = build_report(summary, runs, slo, trace.num_clipped)
+    print_report(report)
+    if a.json:
+        print(f"wrote {write_json(report, a.json)}")
+    if a.plots:
+        from aserve.replay.plots import write_plots
+
+        for path in write_plots(runs, report, a.plots):
+            print(f"wrote {path}")
+    bad = sum(s["failed"] + s["aborted"] for s in report["systems"].values())
+    return 1 if bad else 0

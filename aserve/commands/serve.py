@@ -1,0 +1,63 @@
+"""``aserve serve``: the OpenAI-compatible HTTP server in the cluster's own process and loop.
+
+    aserve serve [--mode disagg --prefill P --decode D | --mode coupled --instances N --batching B]
+                 [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config, engine_config
+from aserve.event_loop import run as run_loop
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Register ``serve`` and its flags (the CLI's engine and cluster flags, plus the server's)."""
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, SSE, /metrics)")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $ASERVE_API_KEY; /health stays open)")
+    s.add_argument("--served-model-name", default=None, help="model name clients use (default: the folder name)")
+    s.add_argument("--max-body-bytes", type=int, default=2**20, help="larger request bodies get 413 (default 1 MiB)")
+    s.add_argument("--max-queued-requests", type=int, default=0,
+                   help="429 once this many requests wait for their first token (0: no limit)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM (then: abort)")
+    s.add_argument("--tui", action="store_true", help="draw the live monitor in this terminal (docs/MONITOR.md)")
+    add_cluster_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def server_settings(a: argparse.Namespace):
+    from aserve.api.context import ServerSettings
+
+    # the environment is read here, in the CLI layer, and nowhere deeper
+    key = a.api_key if a.api_key is not None else os.environ.get("ASERVE_API_KEY") or None
+    return ServerSettings(api_key=key, max_body_bytes=a.max_body_bytes, max_queued_requests=a.max_queued_requests,
+                          shutdown_timeout_s=a.shutdown_timeout)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    engine, cluster_cfg, settings = engine_config(a), cluster_config(a), server_settings(a)
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {a.port}")
+    run_loop(_serve(engine, cluster_cfg, settings, a.host, a.port, a.served_model_name, a.model, a.tui))
+    return 0
+
+
+async def _serve(engine, cluster_cfg, settings, host: str, port: int,
+                 served_name: Optional[str], model_arg: str, tui: bool = False) -> None:
+    from aserve.api.server import run_server
+    from aserve.cluster.cluster import Cluster
+
+    print(f"aserve: loading {model_arg} ...", file=sys.stderr, flush=True)
+    async with Cluster(engine, cluster_cfg) as cluster:
+        name = served_name or cluster.bundle.path.name
+        await run_server(cluster, name, settings, host, port, aliases=(model_arg,), tui=tui)

@@ -1,0 +1,256 @@
+"""One instance: a role, its scheduler, its device, and the one step loop every role runs.
+
+    while True:
+        plan = scheduler.schedule()         # scheduling/: one contract for every role and policy
+        if plan.empty: sleep until notified
+        out = await device.execute(plan)    # the device seam (aserve/engine/device.py)
+        events = scheduler.update(plan, out)
+        stop checks (the instance's StopChecker) -> scheduler.finish(request, reason)
+        host.on_step(self, StepReport)      # tokens, prefilled prompts, features: one call a step
+
+The prefill, decode and coupled roles and the offline ``LLM`` all run this loop; they differ in
+the scheduler only. The loop runs on the event loop; the forward runs on the device's own thread,
+so instances compute in parallel and the loop stays responsive. Only the loop thread touches
+schedulers, blocks and requests (the thread rule): the device gets the immutable plan.
+
+The instance calls its host (the cluster, or the offline engine) through ``InstanceHost`` only,
+and the host reaches the scheduler only through the façade methods below.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Protocol, TypeVar
+
+from aserve.engine.device import Device
+from aserve.engine.policies import Policies
+from aserve.engine.stops import StopChecker
+from scheduling.base import Scheduler
+from scheduling.block_manager import BlockManager
+from scheduling.clock import Clock
+from scheduling.decode import DecodeScheduler
+from scheduling.dispatch import DecodeLoad
+from scheduling.prefill import PrefillScheduler
+from scheduling.request import Request
+from scheduling.step import StepOutput, StepPlan
+
+S = TypeVar("S", bound=Scheduler)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one step produced, for the host."""
+
+    tokens: tuple[tuple[Request, Optional[str]], ...]  # (request, finish reason or None), one new token each
+    prefilled: tuple[Request, ...]  # prompt done here and not finished: KV ready for a hand-over
+    features: Optional[Mapping[str, Any]]  # the length predictor's taps (request -> hidden state)
+    num_tokens: int  # rows the step computed, padding included
+
+
+class InstanceHost(Protocol):
+    """The only callbacks an instance makes."""
+
+    def on_step(self, instance: "Instance", report: StepReport) -> None:
+        ...
+
+    def on_failure(self, instance: "Instance", why: str) -> None:
+        ...
+
+
+class Instance:
+    """``role`` is prefill, decode or coupled; ``state`` is active, draining, flipping, failed
+    or removed (the control plane sets it)."""
+
+    def __init__(self, instance_id: str, role: str, device: Device, policies: Policies, stops: StopChecker,
+                 clock: Clock, host: InstanceHost):
+        self.id, self.device, self.policies = instance_id, device, policies
+        self.stops, self.clock, self.host = stops, clock, host
+        self.state, self.failure = "active", None
+        self.blocks = BlockManager(device.num_blocks, device.block_size)
+        self.scheduler: Scheduler
+        self.dispatcher = None  # prefill role: which decode instance takes a prefilled request
+        self._make_role(role)
+        self.wake: Optional[asyncio.Event] = None  # made by start(), on the loop that runs it
+        self.task: Optional[asyncio.Task] = None
+        # counters for metrics and the paper's resource-usage time
+        self.busy_s = 0.0  # seconds with a step on the device (the emulated device's, if slower)
+        self.busy_by_role = {"prefill": 0.0, "decode": 0.0, "coupled": 0.0}
+        self.num_steps = self.num_prefill_tokens = self.num_decode_tokens = self.num_pad_tokens = 0
+        self.num_preemptions = self.num_flips = 0
+
+    def _make_role(self, role: str) -> None:
+        """The role's scheduler over the instance's own blocks: no model reload, no new pool."""
+        self.scheduler = self.policies.scheduler(role, self.blocks, self.device, self.clock)
+        self.dispatcher = self.policies.dispatcher() if role == "prefill" else None
+        self.role = role
+
+    # ---- the step loop ------------------------------------------------------------------
+    def start(self) -> None:
+        self.wake = asyncio.Event()
+        self.task = asyncio.create_task(self._guarded(), name=f"instance-{self.id}")
+
+    async def _guarded(self) -> None:
+        """Run the loop; a step that raises (or any bug in the loop) fails the instance, and the
+        host moves its requests elsewhere instead of losing them."""
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the control plane
+            self.host.on_failure(self, f"{type(e).__name__}: {e}")
+
+    async def _loop(self) -> None:
+        while True:
+            plan = self.scheduler.schedule()
+            if plan.empty:
+                await self._idle()
+                continue
+            out = await self.device.execute(plan)
+            events = self.scheduler.update(plan, out)
+            self._account(plan, out)
+            finished = {}
+            for req in events.tokens:
+                reason = self.stops.check(req)
+                if reason:
+                    self.scheduler.finish(req, reason)
+                    finished[req.request_id] = reason
+            report = StepReport(tuple((r, finished.get(r.request_id)) for r in events.tokens),
+                                tuple(r for r in events.prefilled if r.request_id not in finished),
+                                out.features, out.num_tokens)
+            self.host.on_step(self, report)
+
+    def _account(self, plan: StepPlan, out: StepOutput) -> None:
+        self.busy_s += out.busy_s
+        self.busy_by_role[self.role] += out.busy_s
+        self.num_steps += 1
+        self.num_preemptions += len(plan.preempted_ids)
+        if self.role == "prefill":
+            self.num_prefill_tokens += plan.num_real_tokens
+            self.num_pad_tokens += plan.num_pad_tokens
+        else:  # a decode instance's recomputes count as the token they sample, as a decode step
+            self.num_decode_tokens += len(out.sampled)
+            if self.role == "coupled":
+                self.num_prefill_tokens += plan.num_real_tokens - len(out.sampled)
+
+    @property
+    def is_running(self) -> bool:
+        """The step loop is alive (started, not halted, not died)."""
+        return self.task is not None and not self.task.done()
+
+    def notify(self) -> None:
+        if self.wake is not None:
+            self.wake.set()
+
+    async def _idle(self) -> None:
+        self.wake.clear()
+        await self.wake.wait()
+
+    async def halt(self) -> None:
+        """Stop the loop (a step already on the device runs to its end unseen)."""
+        if self.task and not self.task.done():
+            self.task.cancel()
+            try:
+                await self.task
+            except asyncio.CancelledError:
+                pass
+
+    async def stop(self) -> None:
+        await self.halt()
+        await self.device.close()
+
+    async def switch_role(self, role: str) -> None:
+        """The flip itself, once drained: halt the idle loop, swap the scheduler, start again."""
+        assert self.num_requests == 0, f"instance {self.id} still holds requests"
+        await self.halt()
+        self._make_role(role)
+        self.num_flips += 1
+        self.start()
+
+    def inject_fault(self) -> None:
+        """Make the next step raise, as a device error would (fault-injection drills and tests)."""
+        self.device.fail_next_step()
+
+    # ---- façade: what the host may ask of the scheduler ---------------------------------------
+    def _as(self, kind: type[S]) -> S:
+        if not isinstance(self.scheduler, kind):
+            raise TypeError(f"instance {self.id} is a {self.role} instance")
+        return self.scheduler
+
+    def submit(self, req: Request) -> None:
+        """A request enters (prefill, coupled: its prompt; decode: a request whose KV is lost
+        elsewhere, recomputed here)."""
+        self.scheduler.add_request(req)
+        self.notify()
+
+    def abort(self, request_id: str) -> Optional[Request]:
+        req = self.scheduler.abort(request_id)
+        self.notify()
+        return req
+
+    def take_unstarted(self) -> list[Request]:
+        """Prefill: queued requests no chunk has touched yet (a draining instance hands them on)."""
+        return self._as(PrefillScheduler).take_unstarted()
+
+    def release_kv(self, request_id: str) -> None:
+        """Prefill: the KV was handed over; free its blocks here."""
+        self._as(PrefillScheduler).release(request_id)
+        self.notify()
+
+    def choose_decode(self, req: Request) -> str:
+        """Prefill: the decode instance its dispatcher picks (``NoDecodeInstance`` if none)."""
+        return self.dispatcher.choose(req)
+
+    def set_decode_loads(self, loads: list[DecodeLoad]) -> None:
+        if self.dispatcher is not None:
+            self.dispatcher.update_loads(loads)
+
+    def reserve_kv(self, req: Request) -> Optional[list[int]]:
+        """Decode: blocks for ``req``'s prompt KV before it is sent; None: not now."""
+        return self._as(DecodeScheduler).allocate_incoming(req)
+
+    def accept_kv(self, req: Request) -> None:
+        """Decode: the KV arrived in the reserved blocks; the request joins the queue."""
+        self._as(DecodeScheduler).accept_incoming(req)
+        self.notify()
+
+    def reclaim_kv(self, lease_s: float, keep) -> list[str]:
+        """Decode: free reservations older than ``lease_s`` whose KV never came."""
+        return self._as(DecodeScheduler).reclaim_incoming(lease_s, keep)
+
+    def reserves_kv_for(self, request_id: str) -> bool:
+        return isinstance(self.scheduler, DecodeScheduler) and request_id in self.scheduler.incoming_ids
+
+    def decode_load(self) -> DecodeLoad:
+        return self._as(DecodeScheduler).load(self.id)
+
+    # ---- views ------------------------------------------------------------------------------
+    @property
+    def num_requests(self) -> int:
+        return self.scheduler.num_requests
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Load for the global scheduler: prompt tokens waiting on this instance."""
+        return self.scheduler.num_queued_tokens
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a step (decode: for a batch slot; preempted ones included)."""
+        return self.scheduler.queue_lengths()[0]
+
+    def snapshot(self) -> dict:
+        """This instance's row of ``/v1/stats`` (plain JSON values)."""
+        sched = self.scheduler
+        waiting, running = sched.queue_lengths()
+        return {
+            "id": self.id, "role": self.role, "state": self.state, "device": self.device.kind,
+            "free_blocks": self.blocks.num_free, "total_blocks": self.blocks.num_blocks,
+            "block_size": self.blocks.block_size, "num_waiting": waiting, "num_running": running,
+            "num_requests": self.num_requests, "queued_tokens": self.num_queued_tokens, "num_steps": self.num_steps,
+            "num_prefill_tokens": self.num_prefill_tokens, "num_decode_tokens": self.num_decode_tokens,
+            "num_pad_tokens": self.num_pad_tokens, "busy_s": self.busy_s, "num_flips": self.num_flips,
+            "failure": self.failure, "num_preemptions": self.num_preemptions,
+            # the monitor's per-stage counts; None where the role has no such stage
+            "num_scheduled": len(sched.scheduled_ids) if isinstance(sched, PrefillScheduler) else None,
+            "num_receiving": len(sched.incoming_ids) if isinstance(sched, DecodeScheduler) else None,
+        }

@@ -1,0 +1,74 @@
+"""Which scheduler each role runs: the policy names and settings of the configs, built once.
+
+    role prefill  -> registry "prefill"  (fcfs | sjf | ljf) + a "dispatch" policy
+    role decode   -> registry "decode"   (greedy | reserve-static | reserve-dynamic)
+    role coupled  -> registry "batching" (sarathi | vllm | alise)
+
+A flip builds the other role's scheduler over the same blocks; nothing else changes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from aserve.config import ClusterConfig, EngineConfig
+from aserve.engine.device import Device
+from scheduling import registry
+from scheduling.base import Scheduler
+from scheduling.block_manager import BlockManager
+from scheduling.clock import Clock
+from scheduling.coupled import BatchingConfig
+from scheduling.decode import DecodeConfig
+from scheduling.dispatch import Dispatcher, DispatchConfig
+from scheduling.prefill import PrefillConfig
+
+ROLES = ("prefill", "decode", "coupled")
+
+
+@dataclass(frozen=True)
+class Policies:
+    prefill: str = "fcfs"
+    prefill_config: PrefillConfig = field(default_factory=PrefillConfig)
+    dispatch: str = "interference"
+    dispatch_config: DispatchConfig = field(default_factory=DispatchConfig)
+    decode: str = "greedy"
+    decode_config: DecodeConfig = field(default_factory=DecodeConfig)
+    batching: str = "sarathi"
+    batching_config: BatchingConfig = field(default_factory=BatchingConfig)
+
+    @staticmethod
+    def from_configs(engine: EngineConfig, cluster: Optional[ClusterConfig] = None) -> "Policies":
+        """The offline engine needs only ``engine`` (it runs the coupled role)."""
+        batching = BatchingConfig(engine.max_num_batched_tokens, engine.max_num_seqs)
+        if cluster is None:
+            return Policies(batching=engine.batching, batching_config=batching)
+        return Policies(
+            prefill=cluster.prefill_policy,
+            prefill_config=PrefillConfig(cluster.chunk_size, cluster.prefill_sched_batch, cluster.pad),
+            dispatch=cluster.dispatch, dispatch_config=DispatchConfig(cluster.heavy_threshold, cluster.seed),
+            decode=cluster.decode_policy,
+            decode_config=DecodeConfig(max_running=engine.max_num_seqs, preemption=cluster.preemption,
+                                       heavy_threshold=cluster.heavy_threshold),
+            batching=engine.batching, batching_config=batching)
+
+    def scheduler(self, role: str, blocks: BlockManager, device: Device, clock: Clock) -> Scheduler:
+        """The role's scheduler over ``blocks``; swap space is added to ``device`` where the
+        policy preempts to host memory."""
+        if role == "prefill":
+            return registry.get("prefill", self.prefill)(blocks, self.prefill_config, clock)
+        if role == "decode":
+            config = self.decode_config
+            if config.preemption == "swap":
+                config = dataclasses.replace(config, num_swap_blocks=device.add_swap_space())
+            return registry.get("decode", self.decode)(blocks, config, clock)
+        if role == "coupled":
+            cls = registry.get("batching", self.batching)
+            if cls.uses_swap:
+                host = BlockManager(device.add_swap_space(), blocks.block_size)
+                return cls(blocks, self.batching_config, clock, host_blocks=host)
+            return cls(blocks, self.batching_config, clock)
+        raise ValueError(f"bad role {role!r}: choose one of {', '.join(ROLES)}")
+
+    def dispatcher(self) -> Dispatcher:
+        return registry.get("dispatch", self.dispatch)(self.dispatch_config)

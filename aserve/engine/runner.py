@@ -1,0 +1,132 @@
+"""The runner: the only place that turns a ``StepPlan`` into tensors and calls the model.
+
+A torch device (aserve/engine/torch_device.py) hands the plan its scheduler made, immutable, to
+its own single-thread executor, which calls ``ModelRunner.execute`` and returns a ``StepOutput``.
+The runner never touches ``Request`` objects or block managers.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from model.attention import AttentionMeta, PrefillSeq, causal_mask
+from model.kv_cache import HostKV, KVCache
+from model.sampler import SampleSpec, sample
+from scheduling.step import SeqStep, StepOutput, StepPlan
+
+
+class ModelRunner:
+    """Holds one instance's model and KV pool on one device."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVCache, device, seed: int = 0,
+                 host_kv: Optional[HostKV] = None):
+        self.model, self.kv, self.device = model, kv, torch.device(device)
+        # swap space in host memory: the pool's dtype or INT8 + scales; the runner alone knows
+        # which (schedulers hand out host block ids only)
+        self.host_kv = host_kv
+        self.block_size = kv.block_size
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.num_swapped_out = self.num_swapped_in = 0  # blocks copied each way, for reports and tests
+
+    @torch.inference_mode()
+    def execute(self, step: StepPlan) -> StepOutput:
+        t0 = time.perf_counter()
+        self._swap(step)
+        if not step.seqs:
+            return StepOutput({}, num_tokens=0, forward_s=time.perf_counter() - t0)
+        ids, positions, meta, sample_rows, sample_specs, sample_ids, (tap_rows, tap_ids) = self._prepare(step)
+        features = None
+        if tap_rows and hasattr(self.model, "forward_tapped"):  # OPT has no tap: no features
+            hidden, taps = self.model.forward_tapped(ids, positions, meta, self.kv.pool, step.tap_layer,
+                                                     self._long(tap_rows))
+            features = dict(zip(tap_ids, taps.float().cpu()))
+        else:
+            hidden = self.model(ids, positions, meta, self.kv.pool)  # [T, hidden]
+        sampled, logits_out = {}, None
+        if sample_rows:
+            # a decode-only step samples every row in order: no gather (a batch-1 step is ~10 ms)
+            every_row = len(sample_rows) == hidden.shape[0] and sample_rows[-1] == len(sample_rows) - 1
+            rows = hidden if every_row else hidden[torch.tensor(sample_rows, device=self.device)]
+            logits = self.model.logits(rows)
+            tokens = sample(logits, sample_specs, self.generator)
+            sampled = dict(zip(sample_ids, tokens))
+            if step.want_logits:
+                logits_out = {rid: logits[i].cpu() for i, rid in enumerate(sample_ids)}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return StepOutput(sampled, num_tokens=ids.shape[0], forward_s=time.perf_counter() - t0, logits=logits_out,
+                          features=features)
+
+    def _swap(self, step: StepPlan) -> None:
+        """Swap-outs first, then swap-ins (a block freed by a swap-out may be reused at once).
+        The gathered blocks stay on this device until the host store takes them, so an INT8
+        store quantises here and only INT8 bytes and scales cross to host memory and back."""
+        if not (step.swap_out or step.swap_in):
+            return
+        assert self.host_kv is not None, "swap needs host swap space"
+        if step.swap_out:
+            dev, host = zip(*step.swap_out)
+            self.host_kv.blocks_from(list(host), self.kv.blocks_to(list(dev), self.device))
+            self.num_swapped_out += len(dev)
+        if step.swap_in:
+            host, dev = zip(*step.swap_in)
+            self.kv.blocks_from(list(dev), self.host_kv.blocks_to(list(host), self.device))
+            self.num_swapped_in += len(dev)
+
+    @torch.inference_mode()
+    def forward_logits(self, step: StepPlan) -> torch.Tensor:
+        """Logits of every token of the step, [T, vocab] (parity tests; writes the KV like execute)."""
+        ids, positions, meta, *_ = self._prepare(step)
+        return self.model.logits(self.model(ids, positions, meta, self.kv.pool))
+
+    def _prepare(self, step: StepPlan):
+        bs = self.block_size
+        prefills = [s for s in step.seqs if len(s.token_ids) > 1]
+        decodes = [s for s in step.seqs if len(s.token_ids) == 1]
+        ids, pos, slots, pre_meta, rows, specs, rids = [], [], [], [], [], [], []
+        tap_rows, tap_ids = [], []  # last-token rows of sequences whose features are asked for
+        for s in prefills + decodes:
+            n = len(s.token_ids)
+            start_tok = len(ids)
+            ids.extend(s.token_ids)
+            p = range(s.start_pos, s.start_pos + n)
+            pos.extend(p)
+            assert len(s.block_ids) * bs >= s.start_pos + n, f"{s.request_id}: blocks do not cover the step"
+            slots.extend(s.block_ids[i // bs] * bs + i % bs for i in p)
+            if n > 1:
+                ctx = s.start_pos + n
+                pre_meta.append(PrefillSeq(start_tok, start_tok + n, ctx,
+                                           self._long(s.block_ids[:-(-ctx // bs)]),
+                                           causal_mask(n, ctx, self.device)))
+            if s.sampling is not None:
+                rows.append(start_tok + n - 1)
+                specs.append(_spec(s))
+                rids.append(s.request_id)
+            if s.tap and step.tap_layer:
+                tap_rows.append(start_tok + n - 1)
+                tap_ids.append(s.request_id)
+        num_prefill = len(ids) - len(decodes)
+        ids.extend([0] * step.num_pad_tokens)
+        pos.extend([0] * step.num_pad_tokens)
+        bt, ctx_lens = self._decode_tables(decodes)
+        meta = AttentionMeta(self._long(slots), tuple(pre_meta), num_prefill, len(decodes), bs, bt, ctx_lens)
+        return self._long(ids), self._long(pos), meta, rows, specs, rids, (tap_rows, tap_ids)
+
+    def _decode_tables(self, decodes: list[SeqStep]):
+        if not decodes:
+            return None, None
+        bs = self.block_size
+        ctx = [d.start_pos + 1 for d in decodes]
+        nb = max(-(-c // bs) for c in ctx)
+        table = [list(d.block_ids[:nb]) + [0] * (nb - len(d.block_ids[:nb])) for d in decodes]
+        return self._long(table), self._long(ctx)
+
+    def _long(self, xs) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+def _spec(s: SeqStep) -> SampleSpec:
+    sp = s.sampling
+    return SampleSpec(sp.temperature, sp.top_k, sp.top_p, sp.seed, s.num_output_tokens)

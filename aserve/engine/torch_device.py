@@ -1,0 +1,108 @@
+"""The torch device: the model over a paged KV pool, on the device's own executor thread.
+
+    event loop ──plan──► executor thread (its share of the CPU's torch threads, or a CUDA device)
+                             ModelRunner.execute(plan) ──► StepOutput, CPU seconds
+               ◄─────────── busy time: the step's wall time, or an emulated dedicated device's
+                            (CPU seconds x CoreShare.slowdown), waited out on the loop
+
+KV hand-overs copy on a second thread of the device (its copy engine), so neither the event
+loop nor a running step waits for them. Several devices of one process share one
+``ModelBundle`` (same weights); each has its own pool.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Sequence
+
+import torch
+
+from aserve.config import EngineConfig
+from aserve.engine.bundle import ModelBundle
+from aserve.engine.device import CoreShare, Device
+from aserve.engine.runner import ModelRunner
+from model.kv_cache import KVCache, host_swap_space, num_blocks_for_budget
+from scheduling.block_manager import BlockManager
+from scheduling.step import StepOutput, StepPlan
+
+
+def _init_thread(num_threads: int, device: str) -> None:
+    if device == "cpu":
+        torch.set_num_threads(num_threads)  # inside the executor's own thread: its share of the cores
+    else:
+        torch.cuda.set_device(torch.device(device))
+
+
+def build_runner(bundle: ModelBundle, cfg: EngineConfig) -> tuple[ModelRunner, BlockManager]:
+    """A KV pool sized by ``cfg.kv_cache_gb``, a runner over it and a block manager of its blocks
+    (benchmarks step the runner directly)."""
+    num_blocks = num_blocks_for_budget(bundle.args, cfg.block_size, bundle.dtype, int(cfg.kv_cache_gb * 2**30))
+    kv = KVCache(bundle.args, num_blocks, cfg.block_size, bundle.dtype, cfg.device)
+    return ModelRunner(bundle.model, kv, cfg.device, cfg.seed), BlockManager(num_blocks, cfg.block_size)
+
+
+class TorchDevice(Device):
+    """A KV pool sized by ``cfg.kv_cache_gb`` and a runner over it, stepped on its own thread."""
+
+    def __init__(self, name: str, bundle: ModelBundle, cfg: EngineConfig, num_threads: int,
+                 share: Optional[CoreShare] = None):
+        super().__init__()
+        self.name, self.cfg, self.bundle = name, cfg, bundle
+        self.runner, _ = build_runner(bundle, cfg)  # the instance keeps its own block manager
+        self.kv = self.runner.kv
+        self.block_size, self.num_blocks = cfg.block_size, self.kv.num_blocks
+        self.share = share or CoreShare()
+        self.num_threads = num_threads
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"aserve-{name}",
+                                           initializer=_init_thread, initargs=(num_threads, cfg.device))
+        self._copier: Optional[ThreadPoolExecutor] = None  # the copy thread, made at the first send
+
+    @property
+    def kind(self) -> str:
+        return self.cfg.device
+
+    async def _execute(self, plan: StepPlan) -> StepOutput:
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        out, cpu_s = await loop.run_in_executor(self.executor, self._timed_execute, plan)
+        busy_s = time.perf_counter() - t0
+        self.cpu_s += cpu_s
+        device_s = cpu_s * self.share.slowdown() if self.cfg.device == "cpu" else 0.0
+        if device_s > busy_s:  # an emulated dedicated device is slower than the core we borrowed
+            await asyncio.sleep(device_s - busy_s)
+            busy_s = device_s
+        return dataclasses.replace(out, busy_s=busy_s)
+
+    def _timed_execute(self, plan: StepPlan) -> tuple[StepOutput, float]:
+        """The step, and the CPU seconds this (executor) thread spent on it."""
+        c0 = time.thread_time()
+        out = self.runner.execute(plan)
+        return out, time.thread_time() - c0
+
+    def add_swap_space(self) -> int:
+        """Host memory for swapped-out KV blocks (``swap_gb``), attached to the runner once. With
+        ``swap_dtype="int8"`` a block takes INT8 bytes plus scales, so the same budget holds more."""
+        if self.runner.host_kv is None:
+            self.runner.host_kv = host_swap_space(self.bundle.args, self.block_size, self.bundle.dtype,
+                                                  max(1, int(self.cfg.swap_gb * 2**30)), self.cfg.swap_dtype)
+        return self.runner.host_kv.num_blocks
+
+    async def send_kv(self, request_id: str, block_ids: Sequence[int], dst: Device, dst_block_ids: Sequence[int],
+                      link, num_tokens: int):
+        """The real block copy into ``dst``'s pool on this device's copy thread; ``link`` (a
+        ``netemu.KVLink``) waits out the emulated link time on top of it."""
+        if not isinstance(dst, TorchDevice):
+            raise TypeError(f"a torch device sends KV to a torch device, not {type(dst).__name__}")
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix=f"aserve-{self.name}-kv",
+                                              initializer=_init_thread, initargs=(1, self.cfg.device))
+        return await link.write(request_id, self.kv.pool, list(block_ids), dst.kv.pool, list(dst_block_ids),
+                                num_tokens=num_tokens, executor=self._copier)
+
+    async def close(self) -> None:
+        """Wait for the step and copy in flight (off the loop), then stop both threads."""
+        for pool in (self._copier, self.executor):
+            if pool is not None:
+                await asyncio.to_thread(pool.shutdown, True)
