@@ -3,12 +3,16 @@
 It runs one coupled ``Instance`` (the same step loop as the server's instances, on the same
 kind of device) under its own event loop until every prompt is done; tests, tools (labelling,
 benchmarks) and ``aserve generate`` use it. Call it from synchronous code (it starts a loop).
+Its device steps on the calling thread (``TorchDevice(inline=True)``: the loop serves nobody
+else, and that thread already owns the process's OpenMP team; aserve/engine/torch_device.py).
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import os
+
+import torch
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
@@ -40,8 +44,9 @@ class LLM:
         self.cfg = cfg
         self.clock = clock or MonotonicClock()  # ALISE's clock (aging, waits)
         self.bundle = bundle or ModelBundle.load(cfg)
-        threads = cfg.num_threads or os.cpu_count() or 1
-        self.device = TorchDevice("offline", self.bundle, cfg, threads)
+        if cfg.device == "cpu" and cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)  # the calling thread steps the model (inline)
+        self.device = TorchDevice("offline", self.bundle, cfg, cfg.num_threads or os.cpu_count() or 1, inline=True)
         self.stops = StopChecker(self.bundle.tokenizer, self.bundle.eos_token_ids)
         self.instance = Instance("offline", "coupled", self.device, Policies.from_configs(cfg), self.stops,
                                  self.clock, self)
