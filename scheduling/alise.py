@@ -187,6 +187,7 @@ class AliseScheduler(CoupledScheduler):
         if self.host is not None:
             self.host.free(step.host_to_free)
         assert step.plan or not order, "the best-ranked job always fits"
+        assert sum(step.plan.values()) <= self.max_num_batched_tokens
         return self._to_plan(step.plan, step.preempted, swap_out=tuple(step.swap_out), swap_in=tuple(step.swap_in),
                              kv_decisions=tuple(step.decisions))
 

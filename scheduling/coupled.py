@@ -2,19 +2,26 @@
 
 ``schedule()`` decides how far each request's ``num_computed_tokens`` moves this step (a prompt
 chunk, a recompute, or 1 for a decode) and returns it as a ``StepPlan``; ``update()`` applies
-the sampled tokens. Policies differ only in ordering and budget:
+the sampled tokens. The rules follow the schedulers of Sarathi-Serve's code base (its
+``vllm_scheduler.py`` and ``sarathi_scheduler.py``), side by side in docs/BASELINES.md:
 
-- ``sarathi`` (stall-free, Sarathi-Serve Alg. 3): all running decodes first, then the partly
-  done prefills' next chunks, then new requests, within ``max_num_batched_tokens``.
-- ``vllm`` (prefill-first, Sarathi-Serve Alg. 2): when new requests fit, a prefill-only
-  iteration of whole prompts; otherwise a decode-only iteration. Never mixes the two.
+- ``vllm`` (prefill-first, Sarathi-Serve Alg. 2, vLLM's scheduler before chunked prefill): while
+  waiting requests fit (budget, sequence cap, KV), an iteration of whole prompts only; otherwise
+  a decode-only iteration. Never mixes the two. Its budget is the model's context length.
+- ``sarathi`` (stall-free, Sarathi-Serve Alg. 3): every running decode first, then the next
+  chunks of prompts already admitted, then new requests, within ``max_num_batched_tokens``.
 - ``alise`` (scheduling/alise.py): speculative, preemptive, from predicted lengths.
 
-Preemption (sarathi, vllm) is by recompute: the newest running request gives its blocks back
-and goes to the front of the waiting queue with ``num_computed_tokens = 0``.
+Shared by vllm and sarathi, as in their block managers: a request is admitted only when blocks
+for its whole sequence are free above a watermark (1% of the pool), and gets them all at once,
+so an admitted prompt's chunks never need blocks again; a decode that finds no free block for
+its next token preempts the lowest-priority running request (first come, first served: the
+latest arrival), by recompute: its blocks are freed and it goes to the front of the waiting
+queue with ``num_computed_tokens = 0``.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 from typing import ClassVar, Optional
@@ -30,10 +37,13 @@ from scheduling.step import EMPTY_PLAN, StepEvents, StepOutput, StepPlan, seq_st
 class BatchingConfig:
     max_num_batched_tokens: int = 512  # token budget of one step
     max_num_seqs: int = 256  # requests in one batch at most
+    watermark: float = 0.01  # share of the pool kept free when admitting (vLLM's block manager)
 
     def __post_init__(self):
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError(f"max_num_batched_tokens and max_num_seqs must be >= 1, got {self}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
 
 
 class CoupledScheduler(Scheduler):
@@ -47,16 +57,21 @@ class CoupledScheduler(Scheduler):
         super().__init__(blocks, clock)
         self.config = config
         self.max_num_batched_tokens, self.max_num_seqs = config.max_num_batched_tokens, config.max_num_seqs
+        self.watermark_blocks = int(config.watermark * blocks.num_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._priority: dict[str, tuple] = {}  # first come, first served: (arrival time, order)
         self.num_preemptions = 0
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        if blocks_needed(req.num_tokens + 1, self.blocks.block_size) > self.blocks.num_blocks:
+        need = blocks_needed(req.num_tokens + 1, self.blocks.block_size)
+        if need + self.watermark_blocks > self.blocks.num_blocks:
             raise ValueError(f"request {req.request_id} needs more KV blocks than the instance has")
         self.requests[req.request_id] = req
+        self._priority[req.request_id] = (req.arrival_time, next(self._arrivals))
         self.waiting.append(req)
 
     def finish(self, req: Request, reason: str) -> None:
@@ -69,6 +84,7 @@ class CoupledScheduler(Scheduler):
         req.block_ids = []
         req.status, req.finish_reason = Status.FINISHED, reason
         self.requests.pop(req.request_id, None)
+        self._priority.pop(req.request_id, None)
 
     def abort(self, request_id: str) -> Optional[Request]:
         req = self.requests.get(request_id)
@@ -94,7 +110,6 @@ class CoupledScheduler(Scheduler):
     # ---- one step -----------------------------------------------------------------------
     def _to_plan(self, plan: dict[str, int], preempted: list[str], **extra) -> StepPlan:
         """A policy's decision ``{request_id: num_tokens}`` as the step's ``StepPlan``."""
-        assert sum(plan.values()) <= self.max_num_batched_tokens or len(plan) == 1
         if not plan and not preempted and not any(extra.values()):
             return EMPTY_PLAN
         return StepPlan(self._seqs(plan), preempted_ids=tuple(preempted), **extra)
@@ -110,18 +125,35 @@ class CoupledScheduler(Scheduler):
             seqs.append(seq_step(req, start, start + n, sample=start + n == req.num_tokens))
         return tuple(seqs)
 
-    def _grow(self, req: Request, n: int, preempted: list[str]) -> bool:
-        """Make ``req``'s blocks cover ``num_computed + n`` tokens, preempting the newest others."""
-        need = blocks_needed(req.num_computed_tokens + n, self.blocks.block_size) - len(req.block_ids)
-        while need > self.blocks.num_free:
-            victim = next((r for r in reversed(self.running) if r is not req), None)
-            if victim is None:
-                return False
+    # ---- blocks and preemption (vllm, sarathi) -----------------------------------------------
+    def _can_admit(self, req: Request) -> bool:
+        """Blocks for the whole sequence are free above the watermark (vLLM's ``can_allocate``)."""
+        need = blocks_needed(req.num_tokens, self.blocks.block_size) - len(req.block_ids)
+        return self.blocks.num_free - need >= self.watermark_blocks
+
+    def _admit(self, req: Request) -> None:
+        """Waiting -> running with blocks for its whole sequence (its chunks need none later)."""
+        self.waiting.remove(req)
+        self.blocks.grow(req.block_ids, req.num_tokens)
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    def _sort_running(self) -> None:
+        self.running.sort(key=lambda r: self._priority[r.request_id])
+
+    def _decode_or_preempt(self, req: Request, lower: list[Request], preempted: list[str]) -> bool:
+        """Blocks for ``req``'s next token, preempting from the end of ``lower`` (the running
+        requests of lower priority not yet planned), then ``req`` itself; True if it runs."""
+        while blocks_needed(req.num_tokens, self.blocks.block_size) - len(req.block_ids) > self.blocks.num_free:
+            victim = lower.pop() if lower else req
             self._preempt(victim, preempted)
-        self.blocks.grow(req.block_ids, req.num_computed_tokens + n)
+            if victim is req:
+                return False
+        self.blocks.grow(req.block_ids, req.num_tokens)
         return True
 
     def _preempt(self, req: Request, preempted: list[str]) -> None:
+        """By recompute: the KV is dropped, the request waits at the front of the queue."""
         self.running.remove(req)
         self.blocks.free(req.block_ids)
         req.block_ids, req.num_computed_tokens = [], 0
@@ -130,29 +162,6 @@ class CoupledScheduler(Scheduler):
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         preempted.append(req.request_id)
-
-    def _admit(self, plan: dict[str, int], budget: int, chunked: bool) -> None:
-        """Move waiting requests into the batch while budget, sequence slots and blocks allow."""
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            n = req.num_uncomputed_tokens
-            if n > budget:
-                if not chunked and plan:
-                    break
-                n = budget if chunked else n  # vllm: a lone prompt larger than the budget runs whole
-            need = blocks_needed(req.num_computed_tokens + n, self.blocks.block_size) - len(req.block_ids)
-            if need > self.blocks.num_free:
-                break
-            self.waiting.popleft()
-            self.blocks.grow(req.block_ids, req.num_computed_tokens + n)
-            req.status = Status.RUNNING
-            self.running.append(req)
-            plan[req.request_id] = n
-            budget -= n
-
-    def _still_running(self, plan: dict[str, int]) -> dict[str, int]:
-        """Drop plan entries of requests preempted after they were planned."""
-        return {rid: n for rid, n in plan.items() if self.requests[rid].status is Status.RUNNING}
 
     def update(self, plan: StepPlan, output: StepOutput) -> StepEvents:
         """Advance progress by the planned tokens and append sampled tokens; ``tokens`` are the
@@ -179,21 +188,27 @@ class SarathiScheduler(CoupledScheduler):
         preempted: list[str] = []
         plan: dict[str, int] = {}
         budget = self.max_num_batched_tokens
-        decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
-        partial = [r for r in self.running if r.num_uncomputed_tokens > 1]
-        for req in decodes:
-            if req in self.running and self._grow(req, 1, preempted):
+        self._sort_running()
+        queue, prefilling = list(self.running), []
+        while queue:  # decodes first, in priority order; a prompt already admitted waits its turn
+            req = queue.pop(0)
+            if req.num_uncomputed_tokens > 1:
+                prefilling.append(req)
+            elif self._decode_or_preempt(req, queue, preempted):
                 plan[req.request_id] = 1
                 budget -= 1
-        for req in partial:
-            if budget <= 0 or req not in self.running:
-                continue
-            n = min(req.num_uncomputed_tokens, budget)
-            if self._grow(req, n, preempted):
-                plan[req.request_id] = n
-                budget -= n
-        self._admit(plan, budget, chunked=True)
-        return self._to_plan(self._still_running(plan), preempted)
+        for req in prefilling:  # the next chunk of every admitted prompt (its blocks are there)
+            if req.status is Status.RUNNING and budget > 0:
+                plan[req.request_id] = min(req.num_uncomputed_tokens, budget)
+                budget -= plan[req.request_id]
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if not self._can_admit(req):
+                break
+            self._admit(req)
+            plan[req.request_id] = min(req.num_uncomputed_tokens, budget)
+            budget -= plan[req.request_id]
+        return self._to_plan(plan, preempted)
 
 
 class VllmScheduler(CoupledScheduler):
@@ -204,9 +219,22 @@ class VllmScheduler(CoupledScheduler):
     def schedule(self) -> StepPlan:
         preempted: list[str] = []
         plan: dict[str, int] = {}
-        self._admit(plan, self.max_num_batched_tokens, chunked=False)
-        if not plan:
-            for req in list(self.running):
-                if req in self.running and self._grow(req, req.num_uncomputed_tokens, preempted):
-                    plan[req.request_id] = req.num_uncomputed_tokens
-        return self._to_plan(self._still_running(plan), preempted)
+        batched = 0
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = req.num_uncomputed_tokens
+            # a prompt longer than the budget runs alone (vLLM's budget is the context length)
+            if not self._can_admit(req) or (plan and batched + n > self.max_num_batched_tokens):
+                break
+            self._admit(req)
+            plan[req.request_id] = n
+            batched += n
+        if plan:
+            return self._to_plan(plan, preempted)
+        self._sort_running()
+        queue = list(self.running)
+        while queue:
+            req = queue.pop(0)
+            if self._decode_or_preempt(req, queue, preempted):
+                plan[req.request_id] = req.num_uncomputed_tokens
+        return self._to_plan(plan, preempted)
