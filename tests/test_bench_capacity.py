@@ -29,12 +29,12 @@ def test_bisection_bounds():
 
 
 def test_judge_needs_every_request_and_both_slos():
-    ok = {"completed": 4, "tbt": {"p99": 0.2}, "queue_time": {"p50": 0.5}}
+    ok = {"completed": 4, "token_gap": {"p99": 0.2}, "queue_time": {"p50": 0.5}}
     assert judge(ok, 4, 1.0, 0.3, 1.0).passed
     assert not judge({**ok, "completed": 3}, 4, 1.0, 0.3, 1.0).passed
     assert not judge(ok, 4, 1.0, 0.1, 1.0).passed  # TBT over the SLO
     assert not judge(ok, 4, 1.0, 0.3, 0.4).passed  # scheduling delay over the limit
-    assert not judge({**ok, "tbt": {"p99": None}}, 4, 1.0, 0.3, 1.0).passed  # no TBT measured
+    assert not judge({**ok, "token_gap": {"p99": None}}, 4, 1.0, 0.3, 1.0).passed  # no token gap measured
 
 
 def capacity_args(*argv):

@@ -114,21 +114,26 @@ def test_real_run_on_a_tiny_model(tiny_model):
 def test_saved_budget_is_the_sarathi_default(tmp_path):
     from aserve.commands import build_parser
     from aserve.commands.common import engine_config
-    from aserve.engine.profile_store import saturate_chunk, save_saturate_chunk, save_token_budget, token_budget
+    from aserve.engine.cost_model import CostModel
+    from aserve.engine.device_profile import machine
+    from aserve.engine.profile_store import save_cost_model, save_token_budget, token_budget
 
     cache = str(tmp_path)
     save_token_budget(cache, "default", "cpu", "auto", 7, 384)
-    save_saturate_chunk(cache, "default", "cpu", "auto", 256)  # another figure does not erase it
-    assert token_budget(cache, "default", "cpu", "auto", 7) == 384 and saturate_chunk(cache, "default", "cpu", "auto") == 256
+    save_token_budget(cache, "default", "cpu", "auto", 3, 256)  # another key does not erase it
+    assert token_budget(cache, "default", "cpu", "auto", 7) == 384 and token_budget(cache, "default", "cpu", "auto", 3) == 256
     base = ["bench", "swap-int8", "--cache-dir", cache, "--threads"]
 
     def budget(*flags: str) -> int:
-        return engine_config(build_parser().parse_args(base + list(flags))).max_num_batched_tokens
+        return engine_config(build_parser().parse_args(base + list(flags)), context=512).max_num_batched_tokens
 
     assert budget("7") == 384
-    assert budget("7", "--batching", "vllm") == 512  # only sarathi's budget was profiled
+    assert budget("7", "--batching", "alise") == 384  # alise chunks within the same budget
     assert budget("7", "--max-num-batched-tokens", "100") == 100  # the user's value wins
-    assert budget("5") == 512  # other thread counts were not profiled
+    # 5 threads were not profiled for a budget: derived from the measured engine's step costs
+    cost = CostModel((1, 1024), (0.01, 0.5), 1e-9, 5e-8, meta={"machine": machine()})
+    save_cost_model(cache, "default", "cpu", "auto", 5, cost)
+    assert budget("5") == cost.token_budget(cost.decode_slo_s(32, 512), 32, 512)
 
 
 def test_cli_refuses_a_non_positive_slo(capsys):

@@ -64,8 +64,9 @@ def test_report_shape_and_sane_numbers(replayed):
     assert set(report) == {"trace", "systems"}
     for name, s in report["systems"].items():
         assert SYSTEM_KEYS <= set(s), SYSTEM_KEYS - set(s)
-        for key in ("ttft", "tbt", "jct", "normalized_latency"):
-            assert set(s[key]) == {"mean", "p50", "p90", "p99"} and s[key]["p50"] <= s[key]["p99"]
+        for key in ("ttft", "tpot", "token_gap", "jct", "normalized_latency"):
+            assert set(s[key]) == {"mean", "p50", "p90", "p99", "p999", "max"}
+            assert s[key]["p50"] <= s[key]["p99"] <= s[key]["p999"] <= s[key]["max"]
         assert 0 < s["ttft"]["mean"] <= s["jct"]["mean"] and s["ttft"]["p99"] <= s["jct"]["p99"]
         assert s["throughput_rps"] > 0 and s["output_tokens_per_s"] > 0 and s["resource_usage_s"] > 0
         assert 0 <= s["goodput_rps"] <= s["throughput_rps"]
@@ -106,7 +107,8 @@ def test_compare_parsing_layers_over_the_command_line():
 
 
 def test_slo_parsing():
-    assert parse_slo("ttft=1,tbt=200ms") == {"ttft": 1.0, "tbt": 0.2}
+    assert parse_slo("ttft=1,tpot=200ms") == {"ttft": 1.0, "tpot": 0.2}
+    assert parse_slo("tbt=0.1") == {"tpot": 0.1}  # the key's older name
     with pytest.raises(ValueError, match="KEY"):
         parse_slo("latency=1")
 
@@ -123,6 +125,9 @@ def test_summarize_hand_made_records():
     assert s["ttft"]["mean"] == pytest.approx(0.35) and s["jct"]["p50"] == pytest.approx(1.05)
     assert s["stalls"]["count"] == 1 and s["stalls"]["seconds"] == pytest.approx(1.0)  # the 1.0 s gap > 5 x 0.1
     assert s["throughput_rps"] == pytest.approx(2 / 2.3) and s["goodput_rps"] == pytest.approx(1 / 2.3)
+    # TPOT per request (0.1, 0.55) and the gaps themselves, named apart: the 1.0 s gap is the max
+    assert s["tpot"]["mean"] == pytest.approx(0.325) and s["token_gap"]["max"] == pytest.approx(1.0)
+    assert s["token_gap"]["p50"] == pytest.approx(0.1)
     report = build_report({"source": "t"}, [SystemRun("x", recs), SystemRun("y", recs)])
     assert report["systems"]["y"]["resource_usage_s"] is None  # no instances (e.g. over HTTP)
 

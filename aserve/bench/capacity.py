@@ -11,7 +11,7 @@ Gamma with ``--burstiness``) and replayed in-process on a fresh cluster per prob
                                 [--delay-p50 2] [--rate-lo 0.05] [--rate-hi 4] [--steps 5]
                                 [fit flags] [engine and cluster flags] [--json FILE]
 
-A probe passes when every request completes, P99 TBT <= ``--tbt-p99`` and median queue time
+A probe passes when every request completes, the P99 token gap <= ``--tbt-p99`` and median queue time
 <= ``--delay-p50``. When ``--rate-hi`` passes the capacity is reported as at least that rate;
 when ``--rate-lo`` fails, as below it.
 """
@@ -35,7 +35,7 @@ class Probe:
 
 def judge(summary: dict, num_requests: int, rate: float, tbt_p99: float, delay_p50: float) -> Probe:
     """A replay's summary against the SLOs (see the module docstring)."""
-    tbt = (summary.get("tbt") or {}).get("p99")
+    tbt = (summary.get("token_gap") or {}).get("p99")
     delay = (summary.get("queue_time") or {}).get("p50")
     ok = (summary["completed"] == num_requests and tbt is not None and tbt <= tbt_p99
           and (delay is None or delay <= delay_p50))
@@ -66,12 +66,12 @@ def bisect_capacity(probe: Callable[[float], Probe], lo: float, hi: float, steps
     return good, "within", probes
 
 
-def run_capacity(specs, trace_path: str, read_raw, fitted, prompts_path: Optional[str], bundle,
+def run_capacity(specs, trace_path: str, fitted, prompts_path: Optional[str], bundle,
                  tbt_p99: float, delay_p50: float, rate_lo: float, rate_hi: float, steps: int,
                  timeout_s: Optional[float], json_path: Optional[str], burstiness: float, seed: int,
                  progress: bool = True) -> dict:
-    """Bisect each system's capacity; print the table and write ``json_path``. ``fitted(raw, rate)``
-    re-times the trace ``read_raw()`` read once (each probe only re-times the same requests)."""
+    """Bisect each system's capacity; print the table and write ``json_path``. ``fitted(rate)``
+    is the trace's requests re-timed to ``rate`` req/s."""
     from rich.console import Console
     from rich.table import Table
 
@@ -80,20 +80,19 @@ def run_capacity(specs, trace_path: str, read_raw, fitted, prompts_path: Optiona
     from aserve.replay.report import summarize
     from aserve.replay.workloads import PromptBuilder
 
-    raw = read_raw()
-    first = fitted(raw, rate_lo)
+    first = fitted(rate_lo)
     prompts = PromptBuilder(bundle.tokenizer, Path(prompts_path) if prompts_path else None, seed).build(first.requests)
     console = Console()
     results = {}
     with ReplayProgress(progress) as bar:
         for spec in specs:
             def probe(rate: float, spec=spec) -> Probe:
-                trace = fitted(raw, rate)
+                trace = fitted(rate)
                 run = run_loop(replay_cluster(SystemSpec(f"{spec.name} @ {rate:.3g} req/s", spec.engine, spec.cluster),
                                               trace, prompts, bundle, bar, True, timeout_s))
                 p = judge(summarize(run), len(trace.requests), rate, tbt_p99, delay_p50)
                 console.log(f"{spec.name}: {rate:.3g} req/s -> {'pass' if p.passed else 'fail'} "
-                            f"(P99 TBT {_s(p.tbt_p99_s)}, median delay {_s(p.delay_p50_s)}, "
+                            f"(P99 token gap {_s(p.tbt_p99_s)}, median delay {_s(p.delay_p50_s)}, "
                             f"{p.completed}/{p.num_requests} done)")
                 return p
 

@@ -1,7 +1,9 @@
 """``aserve bench engine``: the engine's speed, side by side in one run on one device and dtype.
 
 - prefill: tokens/s of one chunk of 32 .. 2048 tokens; ``saturate_chunk`` is the smallest size
-  within 10% of the best tokens/s (TetriInfer's accelerator-saturate threshold, its Figure 2);
+  within 10% of the best tokens/s (TetriInfer's accelerator-saturate threshold, its Figure 2),
+  at this run's threads (serving derives its chunk from ``aserve profile device`` at the
+  instances' threads instead);
 - decode: step time at batch 1, 8, 32, 64 with 512 tokens of context each (the cache holds
   random values: a step's cost does not depend on them);
 - generate: the same 32 prompts (~128 tokens, 128 new tokens, greedy) through transformers'
@@ -191,10 +193,6 @@ def run_engine_bench(cfg: EngineConfig, json_path: str | None, quick: bool = Fal
         "decode": decode, "weight_bytes": wbytes, **roof, **gen,
     }
     _print(console, result)
-    if not quick:
-        from aserve.engine.profile_store import save_saturate_chunk
-
-        save_saturate_chunk(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, prefill["saturate_chunk"])
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)

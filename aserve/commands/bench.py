@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config, engine_config
-from aserve.commands.replay import add_fit_args, fit_options, parse_compare
+from aserve.commands.common import add_cluster_args, add_engine_args, bundle_engine
+from aserve.commands.replay import add_fit_args, build_specs, compare_items, fit_options
 
 
 def register(subparsers) -> None:
@@ -74,7 +74,6 @@ def _register_capacity(bsub) -> None:
 def cmd_capacity(a: argparse.Namespace) -> int:
     from aserve.bench.capacity import run_capacity
     from aserve.engine.bundle import ModelBundle
-    from aserve.replay.driver import SystemSpec, default_name
     from aserve.replay.trace_formats import read_trace
     from aserve.replay.traces import fit
 
@@ -82,17 +81,15 @@ def cmd_capacity(a: argparse.Namespace) -> int:
         raise ValueError("--rate is what bench capacity searches: use --rate-lo and --rate-hi")
     if a.tbt_p99 <= 0 or a.delay_p50 <= 0:
         raise ValueError(f"--tbt-p99 and --delay-p50 must be > 0, got {a.tbt_p99}, {a.delay_p50}")
-    engine = engine_config(a)
-    specs = (parse_compare(a.compare, a) if a.compare else
-             [SystemSpec(default_name(engine, cluster_config(a)), engine, cluster_config(a))])
-    bundle = ModelBundle.load(engine)
+    items = compare_items(a.compare, a) if a.compare else [(None, a)]
+    bundle = ModelBundle.load(bundle_engine(a))
+    # read (and count text prompts) once; each probe only re-times the same requests
+    raw = read_trace(a.trace, lambda text: len(bundle.tokenizer.encode(text, add_special_tokens=False)))
 
-    def read_raw():  # read (and count text prompts) once; each probe only re-times the same requests
-        return read_trace(a.trace, lambda text: len(bundle.tokenizer.encode(text, add_special_tokens=False)))
-
-    def fitted(raw, rate: float):
+    def fitted(rate: float):
         return fit(raw, fit_options(a, bundle.args.max_position, rate=rate, time_scale=1.0), str(a.trace))
 
-    run_capacity(specs, a.trace, read_raw, fitted, a.prompts, bundle, a.tbt_p99, a.delay_p50, a.rate_lo, a.rate_hi,
+    specs = build_specs(items, fitted(a.rate_lo).longest_context)
+    run_capacity(specs, a.trace, fitted, a.prompts, bundle, a.tbt_p99, a.delay_p50, a.rate_lo, a.rate_hi,
                  a.steps, a.timeout, a.json, a.burstiness, a.seed, a.progress)
     return 0

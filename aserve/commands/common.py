@@ -1,25 +1,44 @@
 """The engine and cluster flags every serving command shares, and the frozen configs they make.
 
-Configs are built here, once, from the parsed flags (and the measured-settings cache where a
-flag is left to its default), then passed down; nothing below reads flags or the environment.
+Configs are built here, once, from the parsed flags, then passed down; nothing below reads flags
+or the environment. Settings that depend on the hardware and are left to their default come from
+this machine's measured engine (``aserve profile device``; measured on first need and cached):
+
+- ``--chunk-size``: the profile's saturate chunk (TetriInfer's ChunkSize, at the instances' threads);
+- ``--max-num-batched-tokens`` with sarathi or alise batching: the largest budget whose hybrid
+  iteration (32 decodes plus a chunk, at the longest context the workload reaches) meets the TBT
+  SLO (``--tbt-slo``; default Sarathi-Serve's strict SLO, 5x that decode-only iteration), unless
+  ``aserve profile token-budget`` saved one; with vllm batching: the model's context length
+  (vLLM's own budget without chunked prefill).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+from typing import Optional
+
+BUDGET_DECODE_BATCH = 32  # running decodes the Sarathi token budget is sized for
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct, bundled), a local HF checkpoint folder, or a .gguf file")
     g.add_argument("--dtype", default="auto", help="auto | bf16 | fp16 | fp32 (auto: bf16 on CUDA and AMX/AVX512-BF16 CPUs)")
-    g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:i")
+    g.add_argument("--device", default="cpu",
+                   help="cpu | cuda | cuda:i | sim:PROFILE (a simulated device on virtual time: sim:opt-13b-v100-32gb, "
+                        "sim:local = this machine's measured engine, or sim:FILE.json)")
     g.add_argument("--attention", default="auto",
                    help="attention backend: auto | reference | sdpa | native | flash (auto: native on CPU, flash or sdpa on CUDA)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool size per instance, GiB")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step (default: with --batching sarathi the budget "
-                        "'aserve profile token-budget' saved for this model, else 512)")
+                   help="token budget of one step (default: sarathi, alise: the largest meeting --tbt-slo on this "
+                        "machine's measured engine, or the one 'aserve profile token-budget' saved; vllm: the "
+                        "model's context length)")
+    g.add_argument("--tbt-slo", type=float, default=None,
+                   help="time-between-tokens SLO, seconds, the token budget is sized for (default: 5x a "
+                        "decode-only step of 32 requests at the workload's longest context, Sarathi-Serve's "
+                        "strict SLO)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="requests in one batch at most")
     g.add_argument("--batching", default="sarathi", help="coupled batching policy: sarathi | vllm | alise")
     g.add_argument("--swap-gb", type=float, default=0.25, help="host swap space for preempted KV, GiB")
@@ -40,14 +59,15 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
     g.add_argument("--prefill-policy", default="fcfs", help="fcfs | sjf | ljf")
     g.add_argument("--prefill-sched-batch", type=int, default=16)
     g.add_argument("--chunk-size", type=int, default=None,
-                   help="fixed prefill chunk, tokens (default: the saturate_chunk 'aserve bench engine' measured, else 512)")
+                   help="fixed prefill chunk, tokens (default: the smallest chunk within 10%% of the best prefill "
+                        "tokens/s on this machine's measured engine, at the instances' threads)")
     g.add_argument("--no-pad", action="store_true", help="do not pad the last chunk to the chunk size")
     g.add_argument("--dispatch", default="interference",
                    help="interference | random | round-robin | least-loaded | imbalance")
     g.add_argument("--decode-policy", default="greedy", help="greedy | reserve-static | reserve-dynamic")
     g.add_argument("--preemption", default="recompute", help="recompute | swap")
     g.add_argument("--predictor", default="oracle",
-                   help="output-length predictor: none | oracle | sklearn | lm | retrieval (predictors/README.md)")
+                   help="output-length predictor: none | oracle | sklearn | lm | retrieval | accuracy (a simulation's: the true bucket at --predictor-option accuracy=P; predictors/README.md)")
     g.add_argument("--predictor-granularity", type=int, default=200,
                    help="length bucket width, tokens: 100 | 200 | 400")
     g.add_argument("--predictor-mode", default="parallel",
@@ -83,11 +103,57 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                         "(cores/N of a core each, an idle instance's share is lost), as on GPUs")
 
 
+def instance_threads(a: argparse.Namespace) -> int:
+    """Torch threads each instance gets: the cores shared evenly (as ``Cluster`` shares them)."""
+    cores = a.threads or os.cpu_count() or 1
+    mode = getattr(a, "mode", "offline")
+    num = 1 if mode == "offline" else (a.prefill + a.decode if mode == "disagg" else a.instances)
+    return max(1, cores // max(1, num))
+
+
+def bundle_engine(a: argparse.Namespace):
+    """The engine fields that decide the loaded model (and what a profile measures), nothing derived."""
+    from aserve.config import EngineConfig
+
+    return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention,
+                        block_size=a.block_size, cache_dir=a.cache_dir)
+
+
+def measured_engine(a: argparse.Namespace):
+    """The device's cost model at the instances' threads: this machine's measured engine
+    (measured now if never before), or a simulated device's profile."""
+    from aserve.engine.devices import device_cost
+
+    return device_cost(bundle_engine(a), instance_threads(a))
+
+
+def model_context(a: argparse.Namespace) -> int:
+    """The (served or simulated) model's context window, from its config (no weights loaded)."""
+    from aserve.engine.devices import model_args
+
+    return model_args(bundle_engine(a)).max_position
+
+
+def default_token_budget(a: argparse.Namespace, context: Optional[int] = None) -> int:
+    """``--max-num-batched-tokens`` left to its default (the module doc)."""
+    if a.batching == "vllm":
+        return model_context(a)
+    from aserve.engine.profile_store import token_budget
+
+    threads = instance_threads(a)
+    saved = token_budget(a.cache_dir, a.model, a.device, a.dtype, threads)
+    if saved:
+        return saved
+    cost = measured_engine(a)
+    context = context or model_context(a)
+    slo = a.tbt_slo or cost.decode_slo_s(BUDGET_DECODE_BATCH, context)
+    return cost.token_budget(slo, BUDGET_DECODE_BATCH, context)
+
+
 def cluster_config(a: argparse.Namespace):
     from aserve.config import ClusterConfig
-    from aserve.engine.profile_store import saturate_chunk
 
-    chunk = a.chunk_size or saturate_chunk(a.cache_dir, a.model, a.device, a.dtype)
+    chunk = a.chunk_size or measured_engine(a).saturate_chunk()
     return ClusterConfig(mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, num_coupled=a.instances,
                          prefill_policy=a.prefill_policy, prefill_sched_batch=a.prefill_sched_batch,
                          chunk_size=chunk, pad=not a.no_pad, dispatch=a.dispatch, decode_policy=a.decode_policy,
@@ -103,14 +169,16 @@ def cluster_config(a: argparse.Namespace):
                          lease_s=a.lease, device_share=a.device_share, seed=a.seed)
 
 
-def engine_config(a: argparse.Namespace):
+def engine_config(a: argparse.Namespace, context: Optional[int] = None):
+    """``context``: the longest prompt + output the workload reaches (replays know it), which the
+    derived token budget must hold its SLO at; default the model's context window."""
     from aserve.config import EngineConfig
-    from aserve.engine.profile_store import DEFAULT_TOKEN_BUDGET, token_budget
 
+    if a.tbt_slo is not None and not a.tbt_slo > 0:
+        raise ValueError(f"--tbt-slo must be > 0 seconds, got {a.tbt_slo}")
     budget = a.max_num_batched_tokens
     if budget is None:
-        saved = token_budget(a.cache_dir, a.model, a.device, a.dtype, a.threads) if a.batching == "sarathi" else None
-        budget = saved or DEFAULT_TOKEN_BUDGET
+        budget = default_token_budget(a, context)
     return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention, block_size=a.block_size,
                         kv_cache_gb=a.kv_cache_gb, max_num_batched_tokens=budget,
                         max_num_seqs=a.max_num_seqs, batching=a.batching, swap_gb=a.swap_gb,

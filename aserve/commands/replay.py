@@ -1,7 +1,7 @@
 """``aserve replay`` and ``aserve workload``: argparse -> frozen configs -> replay -> report.
 
     aserve replay TRACE [fit flags] [--prompts FILE] [--url URL] [--compare 'A: flags ; B: flags']
-                        [--json FILE] [--plots DIR] [--slo ttft=1,tbt=200ms] [engine and cluster flags]
+                        [--json FILE] [--plots DIR] [--slo ttft=1,tpot=200ms] [engine and cluster flags]
     aserve workload NAME [--num-requests 128] [--out traces/NAME.jsonl] [--rate 1.0]
 
 ``--compare`` items are parsed with the same engine and cluster flags (add_engine_args,
@@ -16,8 +16,9 @@ import copy
 import shlex
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
-from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config, engine_config
+from aserve.commands.common import add_cluster_args, add_engine_args, bundle_engine, cluster_config, engine_config
 from aserve.event_loop import run as run_loop
 
 BUNDLE_FLAGS = ("model", "dtype", "device", "attention", "cache_dir")
@@ -30,11 +31,26 @@ def _system_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_compare(text: str, base: argparse.Namespace) -> list:
-    """``'NAME: flags ; NAME: flags'`` -> SystemSpecs, each over a copy of the command line's values."""
-    from aserve.replay.driver import SystemSpec
+def parse_compare(text: str, base: argparse.Namespace, context: Optional[int] = None) -> list:
+    """``'NAME: flags ; NAME: flags'`` -> SystemSpecs, each over a copy of the command line's values;
+    ``context``: the longest prompt + output of the trace (the derived token budgets hold at it)."""
+    return build_specs(compare_items(text, base), context)
+
+
+def build_specs(items: list, context: Optional[int] = None) -> list:
+    """``(name, namespace)`` pairs -> SystemSpecs (a None name: the system's default name)."""
+    from aserve.replay.driver import SystemSpec, default_name
 
     specs = []
+    for name, ns in items:
+        engine, cluster = engine_config(ns, context), cluster_config(ns)
+        specs.append(SystemSpec(name or default_name(engine, cluster), engine, cluster))
+    return specs
+
+
+def compare_items(text: str, base: argparse.Namespace) -> list:
+    """Check ``--compare`` at once (before any model is loaded): ``(name, namespace)`` pairs."""
+    items = []
     for item in filter(None, (s.strip() for s in text.split(";"))):
         name, sep, flags = item.partition(":")
         if not sep or not name.strip():
@@ -50,12 +66,12 @@ def parse_compare(text: str, base: argparse.Namespace) -> list:
         if changed:
             raise ValueError(f"--compare {name.strip()}: {', '.join(changed)} cannot differ between systems "
                              "(one model bundle is shared)")
-        specs.append(SystemSpec(name.strip(), engine_config(ns), cluster_config(ns)))
-    if len({s.name for s in specs}) != len(specs):
+        items.append((name.strip(), ns))
+    if len({name for name, _ in items}) != len(items):
         raise ValueError("--compare names must be distinct")
-    if not specs:
+    if not items:
         raise ValueError("--compare has no systems")
-    return specs
+    return items
 
 
 def add_fit_args(p: argparse.ArgumentParser) -> None:
@@ -98,8 +114,8 @@ def register(subparsers) -> None:
     r.add_argument("--name", default=None, help="the system's name when not comparing")
     r.add_argument("--json", default=None, help="write the report here")
     r.add_argument("--plots", default=None, help="write PNG plots into this folder")
-    r.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=1,tbt=200ms (keys ttft, tbt = the request's "
-                   "mean TBT, jct, norm; seconds or ms)")
+    r.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=1,tpot=200ms (keys ttft, tpot = the request's "
+                   "mean time per output token, jct, norm; seconds or ms)")
     r.add_argument("--timeout", type=float, default=None, help="per system: abort what is left after this many s")
     r.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up request per instance")
     r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -132,6 +148,17 @@ def cmd_workload(a: argparse.Namespace) -> int:
     return 0
 
 
+def _event_loop(specs):
+    """Simulated devices replay on virtual time, as fast as the host computes (all or none)."""
+    from aserve.engine.devices import is_sim
+    from aserve.engine.virtual_time import run_virtual
+
+    sims = {is_sim(s.engine) for s in specs}
+    if len(sims) > 1:
+        raise ValueError("--compare mixes simulated and real devices: replay them separately")
+    return run_virtual if sims == {True} else run_loop
+
+
 def _tokenizer_and_context(a: argparse.Namespace, engine):
     """Over HTTP only the tokenizer is loaded; in-process the whole bundle (once, shared)."""
     if a.url:
@@ -142,9 +169,9 @@ def _tokenizer_and_context(a: argparse.Namespace, engine):
 
         path = resolve_model(engine.model, Path(engine.cache_dir) if engine.cache_dir else None)
         return None, AutoTokenizer.from_pretrained(path), ModelArgs.from_hf(read_config(path)).max_position
-    from aserve.engine.bundle import ModelBundle
+    from aserve.engine.devices import load_bundle
 
-    bundle = ModelBundle.load(engine)
+    bundle = load_bundle(engine)
     return bundle, bundle.tokenizer, bundle.args.max_position
 
 
@@ -159,27 +186,27 @@ async def _run(a, specs, trace, prompts, bundle, progress) -> list:
 
 def cmd_replay(a: argparse.Namespace) -> int:
     """Fit the trace, build prompts, replay every system, print the table, write JSON and plots."""
-    from aserve.replay.driver import ReplayProgress, SystemSpec, default_name
+    from aserve.replay.driver import ReplayProgress
     from aserve.replay.report import build_report, parse_slo, print_report, write_json
     from aserve.replay.traces import load_trace
     from aserve.replay.workloads import PromptBuilder
 
-    slo, engine = parse_slo(a.slo), engine_config(a)
+    slo = parse_slo(a.slo)
     if a.url and a.compare:
         raise ValueError("--compare runs in-process systems; it cannot be combined with --url")
     if a.chat and (a.max_prompt_tokens or a.length_scale != 1.0 or a.prompts):
         raise ValueError("--chat sends each request's own text whole: it cannot be combined with "
                          "--max-prompt-tokens, --length-scale or --prompts")
-    specs = (parse_compare(a.compare, a) if a.compare else
-             [SystemSpec(a.name or default_name(engine, cluster_config(a)), engine, cluster_config(a))])
-    bundle, tokenizer, context = _tokenizer_and_context(a, engine)
+    items = compare_items(a.compare, a) if a.compare else [(a.name, a)]
+    bundle, tokenizer, context = _tokenizer_and_context(a, bundle_engine(a))
     builder = PromptBuilder(tokenizer, Path(a.prompts) if a.prompts else None, a.seed, chat=a.chat)
     count = (lambda text: len(builder.chat_ids(text))) if a.chat else \
         (lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     trace = load_trace(a.trace, fit_options(a, context), count)
     prompts = builder.build(trace.requests)
+    specs = [] if a.url else build_specs(items, trace.longest_context)
     with ReplayProgress(a.progress) as progress:
-        runs = run_loop(_run(a, specs, trace, prompts, bundle, progress))
+        runs = _event_loop(specs)(_run(a, specs, trace, prompts, bundle, progress))
     summary = {**trace.summary(), "prompts": builder.describe(trace.requests), "target": a.url or "in-process"}
     report = build_report(summary, runs, slo, trace.num_clipped)
     print_report(report)

@@ -1,11 +1,13 @@
-"""Measured engine figures kept between runs (``~/.cache/aserve/profile.json``).
+"""Measured engine figures kept between runs, under ``~/.cache/aserve``.
 
-``aserve bench engine`` records the ``saturate_chunk`` it finds for a (model, device, dtype);
-the prefill instances' chunk size defaults to it (TetriInfer's ChunkSize), else 512.
-``aserve profile token-budget`` records the ``token_budget`` it finds for a (model, device,
-dtype, torch threads): the largest Sarathi token budget whose iteration met a TBT SLO;
-``--batching sarathi`` defaults ``--max-num-batched-tokens`` to it, else 512. The thread count
-is part of that key because an iteration's time scales with it on CPU.
+- ``device_profiles.json``: a ``CostModel`` (aserve/engine/cost_model.py) per (model, device,
+  dtype, torch threads), measured by ``aserve profile device``, or on the first run that needs a
+  setting derived from it (the prefill chunk size, the Sarathi token budget). Each keeps the
+  machine it was measured on; a profile of another machine is measured again.
+- ``profile.json``: the token budget ``aserve profile token-budget`` saved for a (model, device,
+  dtype, threads) at an SLO the user chose; it takes precedence over the derived budget.
+
+The thread count is part of both keys because a step's time scales with it on a CPU.
 """
 from __future__ import annotations
 
@@ -13,58 +15,72 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from aserve.engine.cost_model import CostModel
+
 DEFAULT_CHUNK = 512
 DEFAULT_TOKEN_BUDGET = 512
 
 
-def _path(cache_dir: Optional[str]) -> Path:
+def _dir(cache_dir: Optional[str]) -> Path:
     from model.loader import default_cache_dir
 
-    return Path(cache_dir or default_cache_dir()) / "profile.json"
+    return Path(cache_dir or default_cache_dir())
 
 
-def _key(model: str, device: str, dtype: str) -> str:
-    return f"{model}|{device.split(':')[0]}|{dtype}"
-
-
-def _threads_key(model: str, device: str, dtype: str, threads: int) -> str:
+def _key(model: str, device: str, dtype: str, threads: int) -> str:
     import torch
 
     # 0 means "every core": torch's default count, read before anyone changed it
-    return f"{_key(model, device, dtype)}|{threads or torch.get_num_threads()}t"
+    return f"{model}|{device.split(':')[0]}|{dtype}|{threads or torch.get_num_threads()}t"
 
 
-def _load(cache_dir: Optional[str]) -> dict:
+def _load(path: Path) -> dict:
     try:
-        return json.loads(_path(cache_dir).read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
 
 
-def _save(cache_dir: Optional[str], key: str, name: str, value: int) -> None:
-    """Set one figure of one key, keeping the key's other figures."""
-    data = _load(cache_dir)
-    data.setdefault(key, {})[name] = value
-    path = _path(cache_dir)
+def _save(path: Path, key: str, value) -> None:
+    data = _load(path)
+    data[key] = value
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2))
 
 
-def save_saturate_chunk(cache_dir: Optional[str], model: str, device: str, dtype: str, chunk: int) -> None:
-    _save(cache_dir, _key(model, device, dtype), "saturate_chunk", chunk)
-
-
-def saturate_chunk(cache_dir: Optional[str], model: str, device: str, dtype: str) -> int:
-    """The profiled chunk size, or 512 when this model/device/dtype was never profiled."""
-    return int(_load(cache_dir).get(_key(model, device, dtype), {}).get("saturate_chunk", DEFAULT_CHUNK))
-
-
 def save_token_budget(cache_dir: Optional[str], model: str, device: str, dtype: str, threads: int,
                       budget: int) -> None:
-    _save(cache_dir, _threads_key(model, device, dtype, threads), "token_budget", budget)
+    path, key = _dir(cache_dir) / "profile.json", _key(model, device, dtype, threads)
+    _save(path, key, {**_load(path).get(key, {}), "token_budget": budget})
 
 
 def token_budget(cache_dir: Optional[str], model: str, device: str, dtype: str, threads: int) -> Optional[int]:
-    """The profiled Sarathi token budget, or None when this key was never profiled."""
-    value = _load(cache_dir).get(_threads_key(model, device, dtype, threads), {}).get("token_budget")
+    """The token budget ``aserve profile token-budget`` saved, or None."""
+    value = _load(_dir(cache_dir) / "profile.json").get(_key(model, device, dtype, threads), {}).get("token_budget")
     return None if value is None else int(value)
+
+
+def device_profile_path(cache_dir: Optional[str]) -> Path:
+    return _dir(cache_dir) / "device_profiles.json"
+
+
+def save_cost_model(cache_dir: Optional[str], model: str, device: str, dtype: str, threads: int,
+                    cost: CostModel) -> Path:
+    path = device_profile_path(cache_dir)
+    _save(path, _key(model, device, dtype, threads), cost.to_json())
+    return path
+
+
+def cost_model(cache_dir: Optional[str], model: str, device: str, dtype: str, threads: int,
+               machine: Optional[str] = None) -> Optional[CostModel]:
+    """The saved profile, or None (none saved, unreadable, or measured on another ``machine``)."""
+    data = _load(device_profile_path(cache_dir)).get(_key(model, device, dtype, threads))
+    if data is None:
+        return None
+    try:
+        cost = CostModel.from_json(data)
+    except (ValueError, TypeError):
+        return None
+    if machine is not None and cost.meta.get("machine") != machine:
+        return None
+    return cost

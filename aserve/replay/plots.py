@@ -31,7 +31,7 @@ def _samples(run: SystemRun, key: str) -> np.ndarray:
 
 def plot_cdfs(runs: Sequence[SystemRun], path: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, (key, label) in zip(axes, (("ttft", "TTFT"), ("jct", "JCT"), ("tbt", "TBT"))):
+    for ax, (key, label) in zip(axes, (("ttft", "TTFT"), ("jct", "JCT"), ("token_gap", "token gap"))):
         for run in runs:
             x = _samples(run, key)
             if len(x):
@@ -39,7 +39,7 @@ def plot_cdfs(runs: Sequence[SystemRun], path: Path) -> Path:
         positive = [v for run in runs for v in _samples(run, key) if v > 0]
         if positive and max(positive) / min(positive) > 100:
             ax.set_xscale("log")
-        ax.set(xlabel=f"{label} (s)", ylabel="fraction of " + ("gaps" if key == "tbt" else "requests"),
+        ax.set(xlabel=f"{label} (s)", ylabel="fraction of " + ("gaps" if key == "token_gap" else "requests"),
                title=f"{label} CDF", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
     axes[0].legend(loc="lower right", fontsize=8)

@@ -1,9 +1,12 @@
 """Replay metrics: per request, per system, side by side (rich table) and as JSON.
 
-Per request: TTFT (arrival -> first token), every TBT (gap between consecutive tokens), JCT
-(arrival -> last token), normalized latency (JCT / output tokens), queue time (arrival ->
-first scheduled). Per system: mean/p50/p90/p99 of each, throughput, goodput under an SLO,
-resource usage and perf/$, generation stalls, padding, KV bytes moved, flips.
+Per request: TTFT (arrival -> first token), TPOT (its mean time per output token after the
+first), every token gap (time between two consecutive tokens of one request), JCT (arrival ->
+last token), normalized latency (JCT / output tokens), queue time (arrival -> first scheduled).
+Per system: mean/p50/p90/p99/p99.9/max of each (TPOT over requests, token gaps over every gap:
+the two are named apart, since a mean of TPOTs hides the rare long gap that the gap percentiles
+and the max show), throughput, goodput under an SLO, resource usage and perf/$, generation
+stalls (gaps over 5x the median gap), padding, KV bytes moved, flips.
 
 *Resource usage* is the sum over instances of the wall seconds each one's executor spent on
 model steps (the paper's "resource usage time"). *perf/$* follows the paper's "performance per
@@ -21,10 +24,11 @@ import numpy as np
 
 from scheduling.stalls import count_stalls
 
-STALL_K = 5.0  # a stall: a decode gap longer than STALL_K x the median TBT (Sarathi-Serve)
-LATENCIES = ("ttft", "tbt", "jct", "normalized_latency", "queue_time")
-SLO_KEYS = {"ttft": "TTFT", "tbt": "mean TBT of the request (TPOT)", "jct": "JCT",
+STALL_K = 5.0  # a stall: a token gap longer than STALL_K x the median gap (Sarathi-Serve)
+LATENCIES = ("ttft", "tpot", "token_gap", "jct", "normalized_latency", "queue_time")
+SLO_KEYS = {"ttft": "TTFT", "tpot": "the request's mean time per output token (TPOT)", "jct": "JCT",
             "norm": "normalized latency (JCT per output token)"}
+SLO_ALIASES = {"tbt": "tpot"}  # the key's name before TPOT and token gaps were told apart
 
 
 @dataclass(frozen=True)
@@ -80,15 +84,17 @@ class SystemRun:
     config: dict = field(default_factory=dict)
     flip_log: tuple = ()  # each flip: instance, from, to, drain_s, flip_s (the switch alone), reason
     predictor: Optional[dict] = None  # the online length predictor over the trace's requests (not warm-up)
+    wall_s: Optional[float] = None  # host seconds the replay took (a simulated one runs faster than its clock)
 
 
 def parse_slo(text: Optional[str]) -> dict[str, float]:
-    """``ttft=1,tbt=200ms`` -> {"ttft": 1.0, "tbt": 0.2}; seconds, or with an ``ms`` suffix."""
+    """``ttft=1,tpot=200ms`` -> {"ttft": 1.0, "tpot": 0.2}; seconds, or with an ``ms`` suffix."""
     if not text:
         return {}
     slo = {}
     for part in text.split(","):
         key, sep, value = part.strip().partition("=")
+        key = SLO_ALIASES.get(key, key)
         if not sep or key not in SLO_KEYS:
             raise ValueError(f"bad --slo item {part.strip()!r}: use KEY=SECONDS with KEY one of {', '.join(SLO_KEYS)}")
         try:
@@ -104,24 +110,30 @@ def stats(values: Sequence[float]) -> Optional[dict]:
     if len(values) == 0:
         return None
     a = np.asarray(values, dtype=float)
-    p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+    p50, p90, p99, p999 = np.percentile(a, [50, 90, 99, 99.9])
+    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99), "p999": float(p999),
+            "max": float(a.max())}
 
 
 def request_latencies(r: RequestRecord) -> dict:
-    """Latency samples of one completed request (lists, since TBT has many)."""
+    """Latency samples of one completed request (lists, since it has many token gaps)."""
     gaps = [b - a for a, b in zip(r.token_times, r.token_times[1:])]
-    out = {"ttft": [r.first_token_s - r.arrival_s], "tbt": gaps, "jct": [r.finish_s - r.arrival_s],
+    out = {"ttft": [r.first_token_s - r.arrival_s], "tpot": [tpot(r)] if gaps else [], "token_gap": gaps,
+           "jct": [r.finish_s - r.arrival_s],
            "normalized_latency": [(r.finish_s - r.arrival_s) / max(1, r.output_tokens)], "queue_time": []}
     if r.scheduled_s is not None:
         out["queue_time"] = [r.scheduled_s - r.arrival_s]
     return out
 
 
+def tpot(r: RequestRecord) -> float:
+    """The request's mean time per output token after the first (0 with a single token)."""
+    return (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) if len(r.token_times) > 1 else 0.0
+
+
 def meets_slo(r: RequestRecord, slo: dict) -> bool:
     jct = r.finish_s - r.arrival_s
-    tpot = (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) if len(r.token_times) > 1 else 0.0
-    values = {"ttft": r.first_token_s - r.arrival_s, "tbt": tpot, "jct": jct, "norm": jct / max(1, r.output_tokens)}
+    values = {"ttft": r.first_token_s - r.arrival_s, "tpot": tpot(r), "jct": jct, "norm": jct / max(1, r.output_tokens)}
     return all(values[k] <= v for k, v in slo.items())
 
 
@@ -155,6 +167,8 @@ def summarize(run: SystemRun, slo: Optional[dict] = None, clipped: int = 0) -> d
            "predictor": run.predictor,
            "predictor_accuracy": (run.predictor or {}).get("accuracy"),
            "makespan_s": span, "output_tokens": tokens, "preemptions": sum(r.num_preemptions for r in done),
+           "wall_s": run.wall_s,
+           "simulated_s_per_wall_s": (span / run.wall_s if run.wall_s and _simulated(run) else None),
            "max_loop_lag_s": run.max_loop_lag_s, "config": run.config,
            "instances": [{"id": i.id, "role": i.role, "busy_s": i.busy_s, "prefill_tokens": i.prefill_tokens,
                           "decode_tokens": i.decode_tokens, "pad_tokens": i.pad_tokens,
@@ -162,6 +176,10 @@ def summarize(run: SystemRun, slo: Optional[dict] = None, clipped: int = 0) -> d
                          for i in inst]}
     out["perf"] = out["output_tokens_per_s"] / out["resource_usage_s"] if out["resource_usage_s"] else None
     return out
+
+
+def _simulated(run: SystemRun) -> bool:
+    return str(run.config.get("engine", {}).get("device", "")).startswith("sim:")
 
 
 def build_report(trace_summary: dict, runs: Sequence[SystemRun], slo: Optional[dict] = None,
@@ -216,15 +234,16 @@ def write_json(report: dict, path) -> Path:
 
 
 # ---- the rich table ------------------------------------------------------------------------------
-_LAT_ROWS = (("TTFT", "ttft"), ("TBT", "tbt"), ("JCT", "jct"), ("norm. latency", "normalized_latency"),
-             ("queue time", "queue_time"))
+_LAT_ROWS = (("TTFT", "ttft"), ("TPOT", "tpot"), ("token gap", "token_gap"), ("JCT", "jct"),
+             ("norm. latency", "normalized_latency"), ("queue time", "queue_time"))
 _SCALAR_ROWS = (("throughput req/s", "throughput_rps", "{:.3f}"), ("output tokens/s", "output_tokens_per_s", "{:.1f}"),
                 ("goodput req/s", "goodput_rps", "{:.3f}"), ("resource usage s", "resource_usage_s", "{:.2f}"),
                 ("perf/$ vs first", "perf_per_dollar_vs_first", "{:.2f}"), ("padding tokens", "padding_tokens", "{:d}"),
                 ("KV bytes moved", "kv_bytes_moved", "{:,d}"), ("flips", "flips", "{:d}"),
                 ("flip s (max, no drain)", "flip_s_max", "{:.4f}"), ("drain s (max)", "drain_s_max", "{:.2f}"),
                 ("predictor accuracy (online)", "predictor_accuracy", "{:.1%}"),
-                ("preemptions", "preemptions", "{:d}"), ("makespan s", "makespan_s", "{:.2f}"))
+                ("preemptions", "preemptions", "{:d}"), ("makespan s", "makespan_s", "{:.2f}"),
+                ("simulated s per wall s", "simulated_s_per_wall_s", "{:.1f}"))
 
 
 def _ratio(value, base) -> str:
@@ -235,6 +254,9 @@ def _latency_cell(s: dict, first: dict, key: str, is_first: bool) -> str:
     v = s[key]
     if v is None:
         return "n/a"
+    if key == "token_gap":  # the tail is the point: a rare long stall must not hide
+        cell = f"{v['p50']:.3f} {v['p99']:.3f} {v['p999']:.3f} {v['max']:.3f}"
+        return cell if is_first or not first[key] else cell + _ratio(v["p99"], first[key]["p99"])
     cell = f"{v['mean']:.3f} {v['p50']:.3f} {v['p90']:.3f} {v['p99']:.3f}"
     return cell if is_first or not first[key] else cell + _ratio(v["mean"], first[key]["mean"])
 
@@ -265,7 +287,8 @@ def _rows(systems: dict) -> list[list[str]]:
         rows.append([f"{label} s"] +
                     [_latency_cell(s, first, key, i == 0) for i, s in enumerate(systems.values())])
     st = [s["stalls"] for s in systems.values()]
-    rows.append(["stalls (count / s)"] + [f"{x['count']} / {x['seconds']:.2f} s" for x in st])
+    rows.append(["stalls (count / s / longest)"] +
+                [f"{x['count']} / {x['seconds']:.2f} s / {x['longest_s']:.2f} s" for x in st])
     if any(s.get("predictor") for s in systems.values()):  # a backend that timed out shows here, not only in JSON
         rows.append(["predictions / fallbacks"] + [_predictions_cell(s.get("predictor")) for s in systems.values()])
     if any("oracle_gain_kept" in s for s in systems.values()):
@@ -296,13 +319,14 @@ def print_report(report: dict, console=None) -> None:
     systems = report["systems"]
     if not systems:
         return
-    table = Table(title="replay: latencies as mean p50 p90 p99; (xN) = ratio to the first system",
-                  show_lines=False)
+    table = Table(title="replay: latencies as mean p50 p90 p99, token gaps as p50 p99 p99.9 max; "
+                        "(xN) = ratio to the first system (of the mean; of p99 for token gaps)", show_lines=False)
     table.add_column("metric", style="bold")
     for name in systems:
         table.add_column(name, justify="right")
     for row in _rows(systems):
         table.add_row(*row)
     console.print(table)
-    console.print(f"[dim]stall = decode gap > {STALL_K:g}x the median TBT; resource usage = sum of instances' busy "
+    console.print(f"[dim]TPOT = a request's mean time per output token; token gap = time between two tokens of a "
+                  f"request; stall = a token gap > {STALL_K:g}x the median gap; resource usage = sum of instances' busy "
                   "seconds; perf/$ = (output tokens/s) / resource usage, relative to the first system[/dim]")

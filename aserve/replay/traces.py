@@ -67,6 +67,11 @@ class Trace:
     def num_clipped(self) -> int:
         return len(self.clipped)
 
+    @property
+    def longest_context(self) -> Optional[int]:
+        """The longest prompt + output a request reaches (None for an empty trace)."""
+        return max((r.prompt_tokens + r.output_tokens for r in self.requests), default=None)
+
     def summary(self) -> dict:
         reqs = self.requests
         return {"source": self.source, "format": self.format, "num_requests": len(reqs),

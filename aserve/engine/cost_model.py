@@ -1,0 +1,157 @@
+"""A device's step time as a function of the step's rows: the model the schedulers' settings are
+derived from, and the one a simulated device runs on.
+
+    t(step) = linear(T) + attn_prefill · Σ_chunks n·(start + (n + 1) / 2) + attn_decode · Σ_decodes ctx
+                │                          └ query-key pairs of each prompt chunk
+                └ T = rows computed (padding included), interpolated over measured T:
+                  weight reads, the products, norms and the per-step overhead
+
+``linear`` is a table (a batch-1 step is bound by reading the weights, a 2,048-row one by the
+products: no straight line fits both); the two attention terms are per pair and per token of
+context read. ``contention`` is how much slower a step runs while another instance on the same
+memory bus is busy (this machine's two cores share one): ``t · (1 + contention)``.
+
+Measured by ``aserve profile device`` (aserve/engine/device_profile.py) on the real engine, or
+written by hand from published hardware figures (a simulated V100), as JSON.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class CostModel:
+    tokens: tuple[int, ...]  # the T grid, ascending
+    linear_s: tuple[float, ...]  # seconds of a step of T rows with (almost) no context
+    attn_prefill_s: float  # seconds per query-key pair of a prompt chunk
+    attn_decode_s: float  # seconds per token of context a decode row reads
+    contention: float = 0.0  # fraction slower while another instance on the bus is busy
+    meta: dict = field(default_factory=dict)  # what was measured: model, device, dtype, threads, machine, date
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.linear_s) or not self.tokens:
+            raise ValueError("a cost model needs one linear time per grid point, and at least one point")
+        if list(self.tokens) != sorted(set(self.tokens)) or self.tokens[0] < 1:
+            raise ValueError(f"the T grid must be ascending and >= 1, got {self.tokens}")
+        if min(self.linear_s) < 0 or self.attn_prefill_s < 0 or self.attn_decode_s < 0 or self.contention < 0:
+            raise ValueError("step costs must be >= 0")
+
+    # ---- the pieces -------------------------------------------------------------------------------
+    def linear(self, num_rows: int) -> float:
+        """Piecewise-linear over the grid; below it, the first point; above it, the last two
+        points' slope (products grow linearly once the weights are no longer the bound)."""
+        if num_rows <= 0:
+            return 0.0
+        ts, ys = self.tokens, self.linear_s
+        if num_rows <= ts[0] or len(ts) == 1:
+            return ys[0]
+        i = bisect.bisect_left(ts, num_rows)
+        if i == len(ts):
+            i -= 1  # extrapolate with the last segment
+        t0, t1, y0, y1 = ts[i - 1], ts[i], ys[i - 1], ys[i]
+        return max(0.0, y0 + (y1 - y0) * (num_rows - t0) / (t1 - t0))
+
+    @staticmethod
+    def prefill_pairs(num_tokens: int, start: int) -> float:
+        """Query-key pairs of a chunk of ``num_tokens`` after ``start`` cached tokens (causal)."""
+        return num_tokens * (start + (num_tokens + 1) / 2)
+
+    def step_s(self, chunks: Iterable[tuple[int, int]] = (), decode_contexts: Iterable[int] = (),
+               num_pad_tokens: int = 0, busy_neighbours: int = 0) -> float:
+        """One step: prompt ``chunks`` as (tokens, start), decode rows by context, padding rows."""
+        chunks, contexts = list(chunks), list(decode_contexts)
+        rows = sum(n for n, _ in chunks) + len(contexts) + num_pad_tokens
+        t = (self.linear(rows) + self.attn_prefill_s * sum(self.prefill_pairs(n, s) for n, s in chunks)
+             + self.attn_decode_s * sum(contexts))
+        return t * (1.0 + self.contention * min(1, busy_neighbours))
+
+    def plan_s(self, plan, busy_neighbours: int = 0) -> float:
+        """A ``StepPlan``'s time: rows of more than one token are prompt chunks (or recomputes)."""
+        chunks = [(s.num_tokens, s.start_pos) for s in plan.seqs if s.num_tokens > 1]
+        contexts = [s.start_pos + 1 for s in plan.seqs if s.num_tokens == 1]
+        return self.step_s(chunks, contexts, plan.num_pad_tokens, busy_neighbours)
+
+    def prefill_s(self, num_tokens: int, start: int = 0) -> float:
+        return self.step_s([(num_tokens, start)])
+
+    def decode_s(self, batch: int, context: int) -> float:
+        return self.step_s(decode_contexts=[context] * batch)
+
+    def hybrid_s(self, budget: int, decode_batch: int, context: int) -> float:
+        """A Sarathi iteration: ``decode_batch`` decodes at ``context`` plus a chunk of the rest of
+        ``budget`` continuing a prompt whose first ``context`` tokens are cached."""
+        chunk = max(0, budget - decode_batch)
+        return self.step_s([(chunk, context)] if chunk else [], [context] * decode_batch)
+
+    # ---- settings derived from it -------------------------------------------------------------------
+    def saturate_chunk(self, tile: int = 16, within: float = 0.10, max_chunk: Optional[int] = None) -> int:
+        """TetriInfer's ChunkSize (its Figure 2): the smallest chunk, a multiple of ``tile``, whose
+        prefill tokens/s is within ``within`` of the best chunk's up to ``max_chunk``."""
+        top = max_chunk or self.tokens[-1]
+        sizes = list(range(tile, top + 1, tile))
+        rate = {n: n / self.prefill_s(n) for n in sizes}
+        best = max(rate.values())
+        return min(n for n in sizes if rate[n] >= (1 - within) * best)
+
+    def decode_slo_s(self, decode_batch: int, context: int, factor: float = 5.0) -> float:
+        """Sarathi-Serve's strict TBT SLO: ``factor`` times a decode-only iteration's time."""
+        return factor * self.decode_s(decode_batch, context)
+
+    def token_budget(self, slo_s: float, decode_batch: int, context: int, tile: int = 16) -> int:
+        """The largest budget, a multiple of ``tile`` and at least the decode batch, whose hybrid
+        iteration at ``context`` meets ``slo_s`` (the decode batch alone when none does: Sarathi
+        never stalls a decode for a chunk)."""
+        lo = max(tile, math.ceil(decode_batch / tile) * tile)
+        if self.hybrid_s(lo, decode_batch, context) > slo_s:
+            return lo
+        hi = lo
+        while self.hybrid_s(hi * 2, decode_batch, context) <= slo_s and hi < 1 << 20:
+            hi *= 2
+        top = hi * 2  # over the SLO (or absurdly large)
+        while top - hi > tile:  # hybrid time grows with the budget: bisect over multiples of tile
+            mid = (hi + top) // 2 // tile * tile
+            if self.hybrid_s(mid, decode_batch, context) <= slo_s:
+                hi = mid
+            else:
+                top = mid
+        return hi
+
+    # ---- files --------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict) -> "CostModel":
+        known = {"tokens", "linear_s", "attn_prefill_s", "attn_decode_s", "contention", "meta"}
+        missing = {"tokens", "linear_s", "attn_prefill_s", "attn_decode_s"} - set(data)
+        if missing:
+            raise ValueError(f"a cost model needs {', '.join(sorted(missing))}")
+        args = {k: v for k, v in data.items() if k in known}
+        return CostModel(tokens=tuple(int(t) for t in args.pop("tokens")),
+                         linear_s=tuple(float(x) for x in args.pop("linear_s")), **args)
+
+    def save(self, path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=2))
+        return path
+
+    @staticmethod
+    def load(path) -> "CostModel":
+        try:
+            return CostModel.from_json(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"bad cost model file {str(path)!r}: {e}") from None
+
+
+def fit_attention(points: Sequence[tuple[float, float]]) -> float:
+    """Least-squares slope through the origin of (x, extra seconds) points, never negative."""
+    sxx = sum(x * x for x, _ in points)
+    if sxx <= 0:
+        return 0.0
+    return max(0.0, sum(x * y for x, y in points) / sxx)

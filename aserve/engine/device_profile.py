@@ -1,0 +1,258 @@
+"""``aserve profile device``: this machine's engine measured into a ``CostModel``.
+
+What is timed (each point: one warm-up, then ``reps`` runs, the median), on one runner with the
+instance's torch threads:
+
+    linear(T)      T decode rows with one token of context each (attention negligible), T on a grid
+    attn_decode    16 decode rows at 256 .. 2,048 tokens of context: time - linear(16), per token read
+    attn_prefill   chunks of 128 and 512 tokens after 0 and 1,024 cached: time - linear(n), per pair
+    contention     a 16-row decode step alone, and while a second runner on another thread
+                   prefills without pause (only when the machine has the cores for both)
+
+then the fit is checked against steps it was not fitted on (a prompt chunk at another size and
+context, decode batches of another size, a Sarathi hybrid iteration) and their errors printed and
+kept in the profile's ``meta``.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import threading
+import time
+from datetime import date
+from typing import Callable, Optional
+
+import torch
+
+from aserve.engine.cost_model import CostModel, fit_attention
+from aserve.engine.runner import ModelRunner
+from model.kv_cache import KVCache
+from scheduling.block_manager import BlockManager, blocks_needed
+from scheduling.step import GREEDY, SeqStep, StepPlan
+
+GRID = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
+DECODE_BATCH = 16
+DECODE_CONTEXTS = (256, 1024, 2048)
+PREFILL_POINTS = ((128, 0), (128, 1024), (512, 0), (512, 1024))
+CHECKS = (("prefill 256 after 512", lambda m: m.prefill_s(256, 512), "prefill", (256, 512)),
+          ("decode 32 rows at 512", lambda m: m.decode_s(32, 512), "decode", (32, 512)),
+          ("decode 4 rows at 1536", lambda m: m.decode_s(4, 1536), "decode", (4, 1536)),
+          ("hybrid 256: 32 decodes + 224 at 512", lambda m: m.hybrid_s(256, 32, 512), "hybrid", (256, 32, 512)))
+Tick = Callable[[str], None]
+
+
+class _Steps:
+    """Steps of given shapes over one runner's pool; blocks are taken and given back per step."""
+
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, reps: int):
+        self.runner, self.blocks, self.reps = runner, blocks, reps
+        self.vocab = runner.model.args.vocab_size
+        self.gen = torch.Generator().manual_seed(0)
+
+    def _ids(self, n: int) -> tuple[int, ...]:
+        return tuple(torch.randint(3, self.vocab, (n,), generator=self.gen).tolist())
+
+    def plan(self, chunks=(), decodes=()) -> tuple[StepPlan, list[list[int]]]:
+        """``chunks``: (tokens, start) mid-prompt; ``decodes``: contexts (their KV is whatever the
+        pool holds: a step's cost does not depend on the values)."""
+        bs, held, seqs = self.blocks.block_size, [], []
+        for i, (n, start) in enumerate(chunks):
+            held.append(self.blocks.allocate(blocks_needed(start + n, bs)))
+            seqs.append(SeqStep(f"c{i}", self._ids(n), start, tuple(held[-1])))
+        for i, ctx in enumerate(decodes):
+            held.append(self.blocks.allocate(blocks_needed(ctx, bs)))
+            seqs.append(SeqStep(f"d{i}", self._ids(1), ctx - 1, tuple(held[-1]), GREEDY))
+        return StepPlan(tuple(seqs)), held
+
+    def time(self, chunks=(), decodes=()) -> float:
+        plan, held = self.plan(chunks, decodes)
+        try:
+            self.runner.execute(plan)
+            times = []
+            for _ in range(self.reps):
+                times.append(self.runner.execute(plan).forward_s)
+            return statistics.median(times)
+        finally:
+            for ids in held:
+                self.blocks.free(ids)
+
+
+def pool_for(model: torch.nn.Module, dtype: torch.dtype, device: str, num_blocks: Optional[int] = None,
+             block_size: int = 16) -> tuple[ModelRunner, BlockManager]:
+    """A runner whose pool holds the largest step measured: the grid's rows, or the decode
+    batch at the longest context (or ``num_blocks``)."""
+    num_blocks = num_blocks or max(GRID[-1], DECODE_BATCH * blocks_needed(max(DECODE_CONTEXTS), block_size),
+                                   32 * blocks_needed(1536, block_size)) + 8
+    kv = KVCache(model.args, num_blocks, block_size, dtype, device)
+    return ModelRunner(model, kv, device), BlockManager(num_blocks, block_size)
+
+
+def measure(model: torch.nn.Module, dtype: torch.dtype, device: str, threads: int, reps: int = 3,
+            tick: Optional[Tick] = None, meta: Optional[dict] = None) -> CostModel:
+    """Time the points (module doc) with ``threads`` torch threads; the fitted model, its checks
+    and what was measured in ``meta``."""
+    tick = tick or (lambda _label: None)
+    before = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        runner, blocks = pool_for(model, dtype, device)
+        steps = _Steps(runner, blocks, reps)
+        linear = []
+        for n in GRID:
+            tick(f"{n} rows")
+            linear.append(steps.time(decodes=[1] * n))
+        partial = CostModel(GRID, tuple(linear), 0.0, 0.0)
+        decode_points = []
+        for ctx in DECODE_CONTEXTS:
+            tick(f"{DECODE_BATCH} decodes at {ctx}")
+            decode_points.append((DECODE_BATCH * (ctx - 1), steps.time(decodes=[ctx] * DECODE_BATCH)
+                                  - partial.linear(DECODE_BATCH)))
+        prefill_points = []
+        for n, start in PREFILL_POINTS:
+            tick(f"chunk {n} after {start}")
+            prefill_points.append((CostModel.prefill_pairs(n, start), steps.time(chunks=[(n, start)]) - partial.linear(n)))
+        fitted = CostModel(GRID, tuple(linear), fit_attention(prefill_points), fit_attention(decode_points))
+        tick("contention")
+        contention = _contention(model, dtype, device, threads, steps)
+        checks = _checks(fitted, steps, tick)
+    finally:
+        torch.set_num_threads(before)
+    info = {**(meta or {}), "threads": threads, "machine": machine(), "date": date.today().isoformat(),
+            "reps": reps, "checks": checks, "contention_measured": contention is not None}
+    return CostModel(GRID, tuple(linear), fitted.attn_prefill_s, fitted.attn_decode_s, contention or 0.0, info)
+
+
+def _contention(model, dtype, device: str, threads: int, steps: _Steps) -> Optional[float]:
+    """How much slower a decode step runs while another runner prefills without pause; None
+    where the machine lacks the cores to run both (or off the CPU)."""
+    if device != "cpu" or (os.cpu_count() or 1) < 2 * threads:
+        return None
+    alone = steps.time(decodes=[1024] * DECODE_BATCH)
+    other, other_blocks = pool_for(model, dtype, device, num_blocks=blocks_needed(512, 16))
+    neighbour = _Steps(other, other_blocks, 1)
+    plan, held = neighbour.plan(chunks=[(512, 0)])
+    stop = threading.Event()
+
+    def busy() -> None:
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            while not stop.is_set():
+                other.execute(plan)
+
+    worker = threading.Thread(target=busy, name="profile-neighbour", daemon=True)
+    worker.start()
+    try:
+        time.sleep(0.3)  # the neighbour is mid-chunk before the first timed step
+        beside = steps.time(decodes=[1024] * DECODE_BATCH)
+    finally:
+        stop.set()
+        worker.join()
+    return max(0.0, beside / alone - 1.0)
+
+
+def _checks(model: CostModel, steps: _Steps, tick: Tick) -> list[dict]:
+    """Steps the fit never saw, measured and predicted."""
+    out = []
+    for label, predict, kind, args in CHECKS:
+        tick(label)
+        if kind == "prefill":
+            measured = steps.time(chunks=[args])
+        elif kind == "decode":
+            measured = steps.time(decodes=[args[1]] * args[0])
+        else:
+            budget, batch, ctx = args
+            measured = steps.time(chunks=[(budget - batch, ctx)], decodes=[ctx] * batch)
+        predicted = predict(model)
+        out.append({"step": label, "measured_s": measured, "predicted_s": predicted,
+                    "error": predicted / measured - 1.0})
+    return out
+
+
+def machine() -> str:
+    """The CPU (or GPU) a profile was measured on: a profile of one machine says little of another."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def num_points() -> int:
+    return len(GRID) + len(DECODE_CONTEXTS) + len(PREFILL_POINTS) + 1 + len(CHECKS)
+
+
+def load_or_measure(cfg, threads: int, quiet: bool = False) -> CostModel:
+    """The saved profile of ``cfg``'s model, device and dtype at ``threads``, or measured now (with
+    a progress line on stderr) and saved: the first run that needs it pays about half a minute."""
+    from aserve.engine.profile_store import cost_model
+
+    cost = cost_model(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, threads, machine())
+    if cost is not None:
+        return cost
+    return measure_and_save(cfg, threads, quiet=quiet, why="once, for the chunk size and the token budget")
+
+
+def measure_and_save(cfg, threads: int, reps: int = 3, out: Optional[str] = None, quiet: bool = False,
+                     why: str = "") -> CostModel:
+    """Measure (progress on stderr), save in the cache (and to ``out``), print the fit and its checks."""
+    import sys
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from aserve.engine.bundle import ModelBundle
+    from aserve.engine.profile_store import save_cost_model
+    from model.attention import pick_backend
+
+    console = Console(stderr=True)
+    if not quiet:
+        console.print(f"aserve: profiling the engine at {threads} thread(s){' ' + why if why else ''} "
+                      f"(aserve profile device)", highlight=False)
+    bundle = ModelBundle.load(cfg)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    t0 = time.perf_counter()
+    with Progress(*columns, console=console, transient=True, disable=quiet or not sys.stderr.isatty()) as bar:
+        task = bar.add_task("profiling", total=num_points())
+
+        def tick(label: str) -> None:
+            bar.update(task, description=f"profiling: {label}", advance=1)
+
+        cost = measure(bundle.model, bundle.dtype, cfg.device, threads, reps, tick,
+                       meta={"model": cfg.model, "device": cfg.device, "dtype": str(bundle.dtype).removeprefix("torch."),
+                             "attention": pick_backend(cfg.attention, cfg.device)})
+    path = save_cost_model(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, threads, cost)
+    if out:
+        cost.save(out)
+    if not quiet:
+        _print(console, cost, time.perf_counter() - t0, path, out)
+    return cost
+
+
+def _print(console, cost: CostModel, seconds: float, path, out: Optional[str]) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"step costs ({cost.meta.get('machine')}, {cost.meta.get('threads')} thread(s), "
+                    f"{cost.meta.get('dtype')}, {cost.meta.get('attention')})")
+    for col in ("rows", "linear ms", "rows/s"):
+        t.add_column(col, justify="right")
+    for n, sec in zip(cost.tokens, cost.linear_s):
+        t.add_row(str(n), f"{sec * 1e3:.1f}", f"{n / sec:,.0f}")
+    console.print(t)
+    console.print(f"attention: {cost.attn_prefill_s * 1e9:.2f} ns per prompt query-key pair, "
+                  f"{cost.attn_decode_s * 1e9:.1f} ns per decode context token; contention "
+                  f"{cost.contention:+.0%} beside a busy neighbour", highlight=False)
+    checks = Table(title="the fit on steps it was not fitted on")
+    for col in ("step", "measured ms", "predicted ms", "error"):
+        checks.add_column(col, justify="right")
+    for c in cost.meta["checks"]:
+        checks.add_row(c["step"], f"{c['measured_s'] * 1e3:.1f}", f"{c['predicted_s'] * 1e3:.1f}", f"{c['error']:+.1%}")
+    console.print(checks)
+    console.print(f"saturate chunk {cost.saturate_chunk()}; measured in {seconds:.0f} s; saved to {path}"
+                  + (f" and {out}" if out else ""), highlight=False)

@@ -1,0 +1,110 @@
+"""The step-cost model: hand-computed step times, the settings derived from it, the profile cache,
+the command line's defaults, and a real (tiny-model) measurement."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aserve.engine.cost_model import CostModel, fit_attention
+from scheduling.step import GREEDY, SeqStep, StepPlan
+
+# 10 ms a step up to 4 rows, then 1 ms a row; 2 ns a prompt pair, 50 ns a decode context token
+COST = CostModel(tokens=(1, 4, 64, 256), linear_s=(0.010, 0.010, 0.070, 0.262),
+                 attn_prefill_s=2e-9, attn_decode_s=50e-9, contention=0.5)
+
+
+def test_step_times_by_hand():
+    assert COST.linear(1) == COST.linear(0.5) == 0.010
+    assert COST.linear(34) == pytest.approx(0.040)  # halfway from 4 to 64
+    assert COST.linear(512) == pytest.approx(0.262 + 256 * 0.001)  # the last segment's slope
+    assert COST.prefill_pairs(4, 10) == 4 * (10 + 2.5)
+    # a chunk of 60 after 100 cached, two decodes at 500 and 700, 4 padding rows: 66 rows
+    t = COST.step_s([(60, 100)], [500, 700], num_pad_tokens=4)
+    assert t == pytest.approx(0.010 + (66 - 4) * 0.001 + 2e-9 * 60 * (100 + 30.5) + 50e-9 * 1200)
+    assert COST.step_s([(60, 100)], [500, 700], 4, busy_neighbours=2) == pytest.approx(1.5 * t)
+    plan = StepPlan((SeqStep("c", tuple(range(60)), 100, (0,)), SeqStep("d", (1,), 499, (0,), GREEDY),
+                     SeqStep("e", (1,), 699, (0,), GREEDY)), num_pad_tokens=4)
+    assert COST.plan_s(plan) == pytest.approx(t)
+    assert COST.hybrid_s(40, 8, 300) == pytest.approx(COST.step_s([(32, 300)], [300] * 8))
+
+
+def test_saturate_chunk_and_token_budget():
+    # prefill tokens/s grows until the rows cost 1 ms each: the first chunk within 10% of the best
+    chunk = COST.saturate_chunk(tile=16, max_chunk=256)
+    rate = {n: n / COST.prefill_s(n) for n in range(16, 257, 16)}
+    assert rate[chunk] >= 0.9 * max(rate.values()) > rate[chunk - 16]
+    slo = COST.decode_slo_s(8, 300)
+    assert slo == pytest.approx(5 * COST.decode_s(8, 300))
+    budget = COST.token_budget(slo, 8, 300, tile=16)
+    assert budget % 16 == 0 and COST.hybrid_s(budget, 8, 300) <= slo < COST.hybrid_s(budget + 16, 8, 300)
+    assert COST.token_budget(1e-9, 8, 300, tile=16) == 16  # nothing meets it: the decodes alone
+
+
+def test_files_and_bad_models(tmp_path):
+    path = COST.save(tmp_path / "p.json")
+    assert CostModel.load(path) == COST
+    (tmp_path / "bad.json").write_text('{"tokens": [1]}')
+    with pytest.raises(ValueError, match="linear_s"):
+        CostModel.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="ascending"):
+        CostModel((4, 1), (0.1, 0.1), 0.0, 0.0)
+    assert fit_attention([(1.0, 2.0), (2.0, 4.0)]) == pytest.approx(2.0)
+    assert fit_attention([(1.0, -3.0)]) == 0.0  # noise below the linear part: no negative cost
+
+
+def test_profile_cache_is_per_machine(tmp_path):
+    from aserve.engine.profile_store import cost_model, save_cost_model
+
+    here = CostModel(COST.tokens, COST.linear_s, 1e-9, 1e-8, meta={"machine": "this one"})
+    save_cost_model(str(tmp_path), "default", "cpu", "auto", 1, here)
+    assert cost_model(str(tmp_path), "default", "cpu", "auto", 1, "this one") == here
+    assert cost_model(str(tmp_path), "default", "cpu", "auto", 1, "another one") is None
+    assert cost_model(str(tmp_path), "default", "cpu", "auto", 2, "this one") is None
+
+
+def test_command_line_defaults_come_from_the_profile(tmp_path):
+    from aserve.engine.device_profile import machine
+    from aserve.commands import build_parser
+    from aserve.commands.common import BUDGET_DECODE_BATCH, cluster_config, engine_config, model_context
+    from aserve.engine.profile_store import save_cost_model, save_token_budget
+
+    cache = str(tmp_path)
+    mine = CostModel(COST.tokens, COST.linear_s, COST.attn_prefill_s, COST.attn_decode_s, meta={"machine": machine()})
+    save_cost_model(cache, "default", "cpu", "auto", 1, mine)  # coupled x2 on 2 threads: 1 each
+
+    def args(*flags):
+        return build_parser().parse_args(["replay", "t.jsonl", "--cache-dir", cache, "--threads", "2",
+                                          "--mode", "coupled", "--instances", "2", *flags])
+
+    a = args()
+    want = mine.token_budget(mine.decode_slo_s(BUDGET_DECODE_BATCH, 1000), BUDGET_DECODE_BATCH, 1000)
+    assert engine_config(a, context=1000).max_num_batched_tokens == want
+    assert engine_config(args("--tbt-slo", "0.2"), context=1000).max_num_batched_tokens == \
+        mine.token_budget(0.2, BUDGET_DECODE_BATCH, 1000)
+    # vllm's budget is the model's context length (read from the model's config, default cache)
+    assert engine_config(build_parser().parse_args(["generate", "x", "--batching", "vllm"])).max_num_batched_tokens \
+        == model_context(build_parser().parse_args(["generate", "x"])) == 8192
+    assert engine_config(args("--max-num-batched-tokens", "100")).max_num_batched_tokens == 100
+    assert cluster_config(args()).chunk_size == mine.saturate_chunk()
+    assert cluster_config(args("--chunk-size", "48")).chunk_size == 48
+    save_token_budget(cache, "default", "cpu", "auto", 1, 384)  # what 'profile token-budget' saved wins
+    assert engine_config(args()).max_num_batched_tokens == 384
+    with pytest.raises(ValueError, match="--tbt-slo must be > 0"):
+        engine_config(args("--tbt-slo", "0"))
+
+
+def test_measure_a_tiny_model():
+    """A real measurement, on a tiny random model: every coefficient comes out, the checks ran."""
+    from aserve.engine.device_profile import CHECKS, GRID, measure
+    from tests.tiny import LLAMA, hf_model, ours
+
+    config = {**LLAMA, "max_position_embeddings": 4096}  # the profile's longest context is 2,048
+    model = ours(config, hf_model(config), torch.float32)
+    seen = []
+    cost = measure(model, torch.float32, "cpu", threads=1, reps=1, tick=seen.append, meta={"model": "tiny"})
+    assert cost.tokens == GRID and all(t > 0 for t in cost.linear_s)
+    assert cost.attn_prefill_s >= 0 and cost.attn_decode_s >= 0 and cost.contention >= 0
+    assert [c["step"] for c in cost.meta["checks"]] == [c[0] for c in CHECKS]
+    assert all(c["measured_s"] > 0 and c["predicted_s"] > 0 for c in cost.meta["checks"])
+    assert cost.meta["model"] == "tiny" and cost.meta["threads"] == 1 and "cores" in cost.meta["machine"]
+    assert len(seen) == len(GRID) + 3 + 4 + 1 + len(CHECKS)
