@@ -15,7 +15,7 @@ class EngineConfig:
 
     model: str = "default"
     dtype: str = "auto"  # auto | bf16 | fp16 | fp32
-    device: str = "cpu"
+    device: str = "cpu"  # cpu | cuda[:i] | sim:PROFILE (a simulated device: aserve/engine/sim_device.py)
     attention: str = "auto"  # auto: native on CPUs where our kernels build, else sdpa; flash on CUDA when installed
     block_size: int = 16
     kv_cache_gb: float = 1.0
@@ -43,8 +43,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"bad device {self.device!r}: cpu or cuda[:i]")
+        if not (self.device == "cpu" or self.device.startswith("cuda") or self.device.startswith("sim:")):
+            raise ValueError(f"bad device {self.device!r}: cpu, cuda[:i] or sim:PROFILE")
 
 
 MODES = ("disagg", "coupled")
@@ -70,7 +70,7 @@ class ClusterConfig:
     preemption: str = "recompute"  # recompute | swap (swap space: EngineConfig.swap_gb)
     heavy_threshold: int = 128
     # length predictor (aserve/predict/online.py; backends in predictors/)
-    predictor: str = "oracle"  # none | oracle | sklearn | lm | retrieval
+    predictor: str = "oracle"  # none | oracle | sklearn | lm | retrieval | accuracy (simulations)
     predictor_granularity: int = 200  # bucket width, tokens: 100 | 200 | 400
     predictor_mode: str = "parallel"  # parallel: beside the prefill | sequential: before it (adds to TTFT)
     predictor_timeout_s: float = 0.5  # a prediction not ready by then: the request goes on without one

@@ -281,6 +281,12 @@ class KVLink:
         """Post the receiver's allocated blocks; returns when the ``send``'s KV is in them."""
         return await self._rendezvous(request_id, "recv", dst_pool, dst_block_ids, None, executor)
 
+    async def emulate(self, request_id: str, num_tokens: int, nbytes: int) -> TransferRecord:
+        """A transfer with no bytes moved: a simulated device's KV of ``num_tokens`` tokens that
+        would weigh ``nbytes``; the link is charged (``emulation`` may say otherwise) and shared
+        with the other transfers as ever, and the wait is all the record shows."""
+        return await self._carry("write", request_id, 0, self.emulation.nbytes(num_tokens, nbytes), None)
+
     def pending(self) -> dict[str, str]:
         """Two-sided posts still waiting for their match: request id -> side."""
         return {rid: post.side for rid, post in self._posted.items()}
@@ -337,7 +343,15 @@ class KVLink:
         nbytes = len(src_block_ids) * block_nbytes(src_pool)
         if num_tokens is None:
             num_tokens = len(src_block_ids) * src_pool.shape[3]
-        emulated_nbytes = self.emulation.nbytes(num_tokens, nbytes)
+
+        def copy():
+            return self._copy(request_id, src_pool, src_block_ids, dst_pool, dst_block_ids, executor or self._executor)
+
+        return await self._carry(op, request_id, nbytes, self.emulation.nbytes(num_tokens, nbytes), copy)
+
+    async def _carry(self, op: str, request_id: str, nbytes: int, emulated_nbytes: int, copy) -> TransferRecord:
+        """Charge the link for ``emulated_nbytes`` while ``copy()`` (None: no bytes move) runs;
+        the transfer ends when both the copy and the link model are done."""
         transfer_id = next(self._ids)
         start = self.clock.now()
         self.model.start(transfer_id, emulated_nbytes)
@@ -346,8 +360,7 @@ class KVLink:
             if self._faults:
                 self._faults -= 1
                 raise TransferError(f"request {request_id!r}: injected link fault")
-            real_copy_s = await self._copy(request_id, src_pool, src_block_ids, dst_pool,
-                                           dst_block_ids, executor or self._executor)
+            real_copy_s = await copy() if copy is not None else 0.0
             model_end = await self._wait_out(transfer_id)
             landed = True
         finally:  # success, copy error or cancellation: the link never keeps a ghost

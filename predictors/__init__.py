@@ -5,7 +5,7 @@
     ranges = p.predict(requests)          # list[LengthRange]
     p.observe(request, actual_length)     # online backends learn from it
 
-Backends: none, oracle, sklearn, lm, retrieval (see ``predictors.registry``).
+Backends: none, oracle, sklearn, lm, retrieval, accuracy (see ``predictors.registry``).
 """
 from predictors.base import GRANULARITIES, Buckets, LengthPredictor
 from predictors.registry import BACKENDS, get_predictor, load_predictor

@@ -7,7 +7,8 @@ Output (``aserve predictor eval --json FILE``)::
                "latency_ms_p50", "latency_ms_p99", "cpu_ms_p50", "batch_size", "latency_ms_batch",
                "latency_ms_per_request_batched", "memory_mb", "rss_delta_mb", "n", "trained"}, ...}}
 
-- ``accuracy``: predicted bucket == true bucket (the paper's metric).
+- ``accuracy``: predicted bucket == true bucket (the paper's metric); ``confusion``: the counts
+  of each (true, predicted) bucket pair (the set-accuracy predictor draws its errors from it).
 - ``majority_accuracy``: always answering the most common *training* bucket.
 - ``mae_tokens``: |predicted bucket midpoint - true length| (the last bucket's midpoint is
   taken between its start and the label cap).
@@ -151,7 +152,10 @@ def score(predictor: LengthPredictor, test: Sequence[Example], train: Sequence[E
     majority = Counter(buckets.bucket_array([e.length for e in train]).tolist()).most_common(1)[0][0]
     mids = np.array([buckets.midpoint(int(b)) for b in pred])
     same, near = bucket_match(pred, truth)
+    confusion = np.zeros((buckets.num_buckets, buckets.num_buckets), dtype=int)
+    np.add.at(confusion, (truth, pred), 1)
     return {"accuracy": same,
+            "confusion": confusion.tolist(),  # [true bucket][predicted bucket] counts
             "majority_accuracy": round(float((truth == majority).mean()), 4),
             "majority_bucket": int(majority),
             "within_one_bucket": near,

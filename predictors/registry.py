@@ -18,6 +18,7 @@ BACKENDS = {
     "sklearn": ("predictors.sklearn_backend", "SklearnPredictor"),
     "lm": ("predictors.lm_backend", "LMPredictor"),
     "retrieval": ("predictors.retrieval_backend", "RetrievalPredictor"),
+    "accuracy": ("predictors.simple", "SetAccuracyPredictor"),  # simulations: the true bucket at a set accuracy
 }
 
 

@@ -5,7 +5,10 @@ does, ``oracle`` is a perfect predictor. Neither needs training.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import json
+import random
+from pathlib import Path
+from typing import Optional, Sequence
 
 from predictors.base import Item, LengthPredictor, max_tokens_of, prompt_of
 from predictors.dataset import Example
@@ -85,3 +88,73 @@ class OraclePredictor(LengthPredictor):
                 n = min(n, cap)
             out.append(self.buckets.to_range(self.buckets.bucket_of(n), 1.0, cap))
         return out
+
+
+class SetAccuracyPredictor(OraclePredictor):
+    """The true bucket with probability ``accuracy``, else a wrong one drawn as a real predictor
+    errs: by its distance from the true bucket, with the frequencies of ``confusion`` (a
+    [true][predicted] count matrix from ``aserve predictor eval``; default: the shipped one of the
+    ``sklearn`` backend at granularity 200 on the held-out prompts, data/confusion_sklearn_g200.json). A simulation's predictor: it knows
+    the true length as the oracle does (replays set it) and blurs it to a stated accuracy, so the
+    schedulers can be measured at the paper's 74.9% and at 100% (TetriInfer Fig. 18).
+
+    Deterministic: each request's draw depends on ``seed`` and its id only.
+    """
+
+    name = "accuracy"
+
+    def __init__(self, granularity: int = 200, max_length: int = 2048, accuracy: float = 0.749,
+                 confusion: Optional[str] = None, seed: int = 0):
+        super().__init__(granularity, max_length)
+        if not 0 <= accuracy <= 1:
+            raise ValueError(f"accuracy must be in [0, 1], got {accuracy!r}")
+        self.accuracy, self.seed = float(accuracy), int(seed)
+        self.offsets = error_offsets(_read_confusion(confusion or DEFAULT_CONFUSION))
+
+    def predict(self, requests: Sequence[Item]) -> list[LengthRange]:
+        out = []
+        for r in requests:
+            n, cap = self.true_length(r), max_tokens_of(r)
+            if cap is not None:
+                n = min(n, cap)
+            out.append(self.buckets.to_range(self.blur(self.buckets.bucket_of(n), r.request_id), self.accuracy, cap))
+        return out
+
+    def blur(self, bucket: int, request_id: str) -> int:
+        """``bucket``, or with probability ``1 - accuracy`` a wrong bucket within range."""
+        rng = random.Random(f"{self.seed}/{request_id}")
+        if rng.random() < self.accuracy:
+            return bucket
+        last = self.buckets.num_buckets - 1
+        choices = [(k, w) for k, w in self.offsets.items() if 0 <= bucket + k <= last]
+        if not choices:
+            return bucket
+        ks, ws = zip(*choices)
+        return bucket + rng.choices(ks, ws)[0]
+
+
+DEFAULT_CONFUSION = Path(__file__).resolve().parent / "data" / "confusion_sklearn_g200.json"
+
+
+def _read_confusion(path) -> list[list[int]]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"field 'confusion': cannot read {str(path)!r}: {e}") from None
+    matrix = data["confusion"] if isinstance(data, dict) else data
+    if not matrix or any(len(row) != len(matrix) for row in matrix):
+        raise ValueError(f"field 'confusion': {path} needs a square [true][predicted] count matrix")
+    return matrix
+
+
+def error_offsets(confusion: list[list[int]]) -> dict[int, float]:
+    """How far off the wrong predictions of a confusion matrix are: {predicted - true: share}."""
+    counts: dict[int, float] = {}
+    for t, row in enumerate(confusion):
+        for p, n in enumerate(row):
+            if p != t and n:
+                counts[p - t] = counts.get(p - t, 0) + n
+    total = sum(counts.values())
+    if not total:
+        return {-1: 0.5, 1: 0.5}  # a matrix with no errors: a neighbour either way
+    return {k: v / total for k, v in sorted(counts.items())}

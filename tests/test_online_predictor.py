@@ -30,7 +30,7 @@ DISAGG = dict(mode="disagg", num_prefill=1, num_decode=1, chunk_size=128)
 
 # ---- configuration and loading: no model ------------------------------------------------------------
 def test_bad_names_and_options_are_clear_errors():
-    cases = [(dict(predictor="gpt"), "bad predictor 'gpt': choose one of none, oracle, sklearn, lm, retrieval"),
+    cases = [(dict(predictor="gpt"), "bad predictor 'gpt': choose one of none, oracle, sklearn, lm, retrieval, accuracy"),
              (dict(predictor_granularity=150), "choose one of 100, 200, 400"),
              (dict(predictor_mode="eager"), "choose one of parallel, sequential"),
              (dict(predictor_timeout_s=0), "predictor_timeout_s must be > 0"),

@@ -116,7 +116,7 @@ def test_labels_that_do_not_match_the_prompts(tmp_path):
 
 # -- registry, none, oracle ------------------------------------------------------------------------
 def test_registry_names_and_errors():
-    with pytest.raises(ValueError, match="valid names: none, oracle, sklearn, lm, retrieval"):
+    with pytest.raises(ValueError, match="valid names: none, oracle, sklearn, lm, retrieval, accuracy"):
         get_predictor("gpt")
     with pytest.raises(ValueError, match="bad options for the 'none' predictor"):
         get_predictor("none", bogus=1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Optional
 
 from aserve.cluster.handoff import Handoff
 from aserve.cluster.lifecycle import Lifecycle
@@ -31,17 +31,13 @@ from aserve.cluster.requests import EventLog, RequestHandle, TokenEvent
 from aserve.config import ClusterConfig, EngineConfig
 from aserve.engine.bundle import ModelBundle
 from aserve.engine.device import CoreShare, Device
+from aserve.engine.devices import load_bundle, make_device
 from aserve.engine.instance import Instance, StepReport
 from aserve.engine.policies import Policies
 from aserve.engine.stops import StopChecker
-from aserve.engine.torch_device import TorchDevice
 from aserve.predict.online import OnlinePredictor
 from scheduling.clock import Clock, MonotonicClock
 from scheduling.request import Request, SamplingParams
-
-# (instance id, number of torch threads) -> the device an instance steps on
-DeviceFactory = Callable[[str, int], Device]
-
 
 class Cluster:
     def __init__(self, engine: EngineConfig, cfg: ClusterConfig, bundle: Optional[ModelBundle] = None,
@@ -68,7 +64,7 @@ class Cluster:
     # ---- start and stop ----------------------------------------------------------------------
     async def start(self) -> None:
         if self.bundle is None:
-            self.bundle = await asyncio.to_thread(ModelBundle.load, self.engine)
+            self.bundle = await asyncio.to_thread(load_bundle, self.engine)
         self.stops = StopChecker(self.bundle.tokenizer, self.bundle.eos_token_ids)
         # loading (or fitting, the first time) a predictor takes seconds: off the loop
         await asyncio.to_thread(self.predictor.load, self.bundle.tokenizer.decode, (self.engine.model, self.bundle.path),
@@ -124,7 +120,7 @@ class Cluster:
         return inst
 
     def make_device(self, instance_id: str, num_threads: int) -> Device:
-        return TorchDevice(instance_id, self.bundle, self.engine, num_threads, self.core_share)
+        return make_device(instance_id, self.bundle, self.engine, num_threads, self.core_share)
 
     def count_live(self) -> None:
         """Keep the core share's count of live instances (neither failed nor removed) true."""

@@ -152,8 +152,9 @@ class Lifecycle:
             raise InstanceError(f"cannot {what} {inst.id}: it is the last active {inst.role} instance")
 
     async def _drain(self, inst: Instance) -> float:
-        """Stop routing to ``inst`` and wait until it holds nothing and moves no KV; seconds."""
-        t0 = time.perf_counter()
+        """Stop routing to ``inst`` and wait until it holds nothing and moves no KV; seconds (on the
+        cluster's clock, so a simulated cluster's drains are simulated seconds too)."""
+        t0 = self.clock.now()
         inst.state = "draining"
         self.plane.broadcast()  # dispatchers drop it now, not at the next monitor tick
         if inst.role == "prefill":  # queued prompts not started yet go to the other prefill instances
@@ -165,7 +166,7 @@ class Lifecycle:
             if inst.state == "failed":
                 raise InstanceError(f"instance {inst.id} failed while draining: {inst.failure}")
             await asyncio.sleep(DRAIN_POLL_S)
-        return time.perf_counter() - t0
+        return self.clock.now() - t0
 
     async def flip(self, iid: str, to_role: Optional[str] = None, reason: str = "asked") -> dict:
         """Drain instance ``iid`` and switch it to ``to_role`` (default: the other role)."""
@@ -179,7 +180,7 @@ class Lifecycle:
         self._changing.add(iid)
         try:
             drain_s = await self._drain(inst)
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # the switch alone is host work: wall seconds, simulated or not
             inst.state = "flipping"
             from_role = inst.role
             await inst.switch_role(to_role)

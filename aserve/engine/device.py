@@ -18,7 +18,7 @@ device they drive.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from scheduling.step import StepOutput, StepPlan
@@ -43,6 +43,7 @@ class CoreShare:
     dedicated: bool = False
     cores: int = 1
     live: int = 1
+    busy: set = field(default_factory=set)  # devices stepping right now (simulated ones read it: a shared bus)
 
     def slowdown(self) -> float:
         """How much slower than one borrowed core each instance's emulated device is (>= 1)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, Optional, Sequence
 
@@ -217,7 +218,8 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
     from aserve.cluster.cluster import Cluster
 
     progress = progress or ReplayProgress(False)
-    cluster = Cluster(spec.engine, spec.cluster, bundle=bundle)
+    # on a virtual-time loop (simulated devices) the cluster reads the loop's clock
+    cluster = Cluster(spec.engine, spec.cluster, bundle=bundle, clock=getattr(asyncio.get_running_loop(), "clock", None))
     await cluster.start()
     try:
         free0 = cluster.free_blocks()
@@ -233,7 +235,9 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
         send = lambda i: _cluster_request(cluster, i, trace.requests[i], prompts[i], base, progress,  # noqa: E731
                                           replay_cap(longest, bundle.args.max_position, len(prompts[i])))
         try:
+            wall0 = time.perf_counter()
             records = await drive(trace, send, timeout_s)
+            wall_s = time.perf_counter() - wall0
         finally:
             task.cancel()
         await asyncio.sleep(0)  # let finished handoffs release their source blocks
@@ -245,6 +249,7 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
                           for iid, inst in cluster.instances.items())
         flips = max(sampler.flips(), cluster.lifecycle.counts["flips"])
         return SystemRun(spec.name, tuple(records), instances, _kv_bytes(cluster) - kv0, flips, sampler.max_lag,
+                         wall_s=wall_s,
                          config={"engine": asdict(spec.engine), "cluster": asdict(spec.cluster)},
                          flip_log=tuple(cluster.lifecycle.flip_log), predictor=_predictor_delta(pred0, cluster.predictor.snapshot(),
                                                                     cluster.predictor.latency, lat0))

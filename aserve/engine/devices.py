@@ -1,0 +1,102 @@
+"""What an engine config's ``device`` means: the loaded model and the device each instance gets.
+
+    cpu | cuda[:i]  -> ModelBundle.load (weights, tokenizer) and a TorchDevice per instance
+    sim:PROFILE     -> the simulated model's shape (no weights; the served model's tokenizer for
+                       prompts) and a SimDevice per instance (aserve/engine/sim_device.py)
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Optional
+
+from aserve.config import EngineConfig
+from aserve.engine.bundle import ModelBundle
+from aserve.engine.device import CoreShare, Device
+from aserve.engine.sim_device import SimDevice, SimProfile, load_profile
+from aserve.engine.torch_device import TorchDevice
+
+
+def is_sim(cfg: EngineConfig) -> bool:
+    return cfg.device.startswith("sim:")
+
+
+def model_args(cfg: EngineConfig):
+    """The served (or simulated) model's shape, without loading any weights."""
+    from model.config import ModelArgs
+    from model.loader import read_config, resolve_model
+
+    simulated = _simulated_args(cfg)
+    return simulated or ModelArgs.from_hf(read_config(resolve_model(cfg.model, _cache(cfg))))
+
+
+def device_cost(cfg: EngineConfig, threads: int):
+    """The step costs of ``cfg``'s device at ``threads``: a simulated profile's, or this machine's
+    measured engine (measured now, once, if never before)."""
+    if is_sim(cfg):
+        return _profile(cfg.device.removeprefix("sim:"), cfg, threads).cost
+    from aserve.engine.device_profile import load_or_measure
+
+    return load_or_measure(cfg, threads)
+
+
+def load_bundle(cfg: EngineConfig) -> ModelBundle:
+    """The model a cluster of ``cfg`` serves: loaded weights, or a simulated model's shape."""
+    if not is_sim(cfg):
+        return ModelBundle.load(cfg)
+    import torch
+    from transformers import AutoTokenizer
+
+    from model.loader import pick_dtype, resolve_model
+
+    path = resolve_model(cfg.model, _cache(cfg))
+    simulated = _simulated_args(cfg)
+    dtype = torch.float16 if simulated else pick_dtype(cfg.dtype, "cpu")
+    return ModelBundle(path, model_args(cfg), None, AutoTokenizer.from_pretrained(path), dtype, cfg.device)
+
+
+def _cache(cfg: EngineConfig) -> Optional[Path]:
+    return Path(cfg.cache_dir) if cfg.cache_dir else None
+
+
+def _simulated_args(cfg: EngineConfig):
+    """A simulated profile's own model, or None (real devices, and sim:local serves the real model)."""
+    spec = cfg.device.removeprefix("sim:")
+    if not is_sim(cfg) or spec == "local":
+        return None
+    return _shipped_or_file(spec).model_args()
+
+
+def make_device(name: str, bundle: ModelBundle, cfg: EngineConfig, num_threads: int,
+                share: Optional[CoreShare] = None) -> Device:
+    if not is_sim(cfg):
+        return TorchDevice(name, bundle, cfg, num_threads, share)
+    profile = _profile(cfg.device.removeprefix("sim:"), cfg, num_threads)
+    args = bundle.args
+    token_bytes = 2 * args.num_layers * args.num_kv_heads * args.head_dim * bundle.dtype.itemsize
+    block_bytes = token_bytes * cfg.block_size
+    kv_bytes = profile.kv_capacity_bytes or int(cfg.kv_cache_gb * 2**30)
+    host_bytes = profile.host_swap_bytes or max(1, int(cfg.swap_gb * 2**30))
+    return SimDevice(name, profile, cfg.block_size, kv_bytes // block_bytes, max(1, host_bytes // block_bytes),
+                     token_bytes, _plain_token(bundle), share)
+
+
+def _profile(spec: str, cfg: EngineConfig, threads: Optional[int]) -> SimProfile:
+    if spec != "local":
+        return _shipped_or_file(spec)
+    from aserve.engine.device_profile import load_or_measure
+
+    real = EngineConfig(model=cfg.model, dtype=cfg.dtype, attention=cfg.attention, block_size=cfg.block_size,
+                        cache_dir=cfg.cache_dir)  # the cpu this simulation stands for
+    return load_profile("local", load_or_measure(real, threads or 1))
+
+
+@functools.lru_cache(maxsize=16)
+def _shipped_or_file(spec: str) -> SimProfile:
+    return load_profile(spec)
+
+
+def _plain_token(bundle: ModelBundle) -> int:
+    """A token id that ends nothing (no end-of-sequence or special id), for simulated samples."""
+    special = set(getattr(bundle.tokenizer, "all_special_ids", []) or []) | set(bundle.eos_token_ids)
+    return next(i for i in range(100, bundle.args.vocab_size) if i not in special)

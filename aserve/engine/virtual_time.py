@@ -1,0 +1,86 @@
+"""A virtual-time event loop: simulated hours run as fast as the host computes them.
+
+    loop.time()            -> a VirtualClock (the cluster, the link and the replay read it too)
+    asyncio.sleep(d)        -> a timer at time() + d, as ever
+    nothing ready to run    -> instead of waiting for the next timer, the clock jumps to it
+
+The loop's selector is the only change: it polls the real file descriptors without waiting, and
+when none is ready and a timer is due later, advances the clock by the wait instead of sleeping.
+So everything written against asyncio (sleeps, timeouts, ``call_later``, the cluster monitor's
+period, the link's landing times, the replay's arrivals) runs unchanged on virtual time. Only a
+wait with no timer at all (the loop idles until another thread posts work) blocks for real.
+
+Work done on other threads takes no virtual time: a simulated device runs no torch, and a
+predictor that predicts on a thread is answered at the virtual instant its answer arrives (use
+the inline, set-accuracy predictor on simulated runs; aserve/predict/online.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import selectors
+from typing import Optional
+
+
+class VirtualClock:
+    """Seconds on the simulation's scale; the loop moves it, ``Clock`` readers read it."""
+
+    def __init__(self, start: float = 0.0):
+        self.t = start
+
+    def now(self) -> float:
+        return self.t
+
+
+class _JumpingSelector(selectors.BaseSelector):
+    """The real selector, polled without waiting; a wait for a timer becomes a clock jump."""
+
+    def __init__(self, clock: VirtualClock):
+        self._real = selectors.DefaultSelector()
+        self._clock = clock
+
+    def register(self, fileobj, events, data=None):
+        return self._real.register(fileobj, events, data)
+
+    def unregister(self, fileobj):
+        return self._real.unregister(fileobj)
+
+    def modify(self, fileobj, events, data=None):
+        return self._real.modify(fileobj, events, data)
+
+    def get_map(self):
+        return self._real.get_map()
+
+    def close(self) -> None:
+        self._real.close()
+
+    def select(self, timeout: Optional[float] = None):
+        ready = self._real.select(0)
+        if ready or (timeout is not None and timeout <= 0):
+            return ready
+        if timeout is None:  # no timer at all: only another thread can wake the loop
+            return self._real.select(None)
+        self._clock.t += timeout
+        return []
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    def __init__(self, clock: Optional[VirtualClock] = None):
+        self.clock = clock or VirtualClock()
+        super().__init__(selector=_JumpingSelector(self.clock))
+
+    def time(self) -> float:
+        return self.clock.t
+
+
+def run_virtual(coro, clock: Optional[VirtualClock] = None):
+    """``asyncio.run`` on a virtual-time loop (``clock`` shared with the caller's cluster)."""
+    loop = VirtualTimeLoop(clock)
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()

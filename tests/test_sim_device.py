@@ -1,0 +1,106 @@
+"""The simulated device: virtual time, hand-computed replays, determinism, the shipped V100 profile."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from aserve.engine.cost_model import CostModel
+from aserve.engine.sim_device import load_profile
+from aserve.engine.virtual_time import VirtualClock, run_virtual
+
+# 10 ms a step plus 1 ms a row (1 row: 11 ms, 20 rows: 30 ms); attention free: easy to add up by hand
+FLAT = CostModel(tokens=(1, 1001), linear_s=(0.011, 1.011), attn_prefill_s=0.0, attn_decode_s=0.0)
+
+
+def test_virtual_time_runs_an_hour_in_an_instant():
+    async def main():
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await asyncio.sleep(3600)
+        done = await asyncio.wait_for(asyncio.sleep(5, result="late"), timeout=10)
+        return loop.time() - t0, done
+
+    clock = VirtualClock()
+    wall = time.perf_counter()
+    elapsed, done = run_virtual(main(), clock)
+    assert elapsed == pytest.approx(3605) and clock.now() == pytest.approx(3605) and done == "late"
+    assert time.perf_counter() - wall < 1.0
+
+
+def replay_sim(tmp_path, trace: list[dict], *flags: str, name: str = "out") -> dict:
+    from aserve.commands import main
+
+    (tmp_path / "flat.json").write_text(json.dumps(FLAT.to_json()))
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in trace))
+    out = tmp_path / f"{name}.json"
+    assert main(["replay", str(path), "--device", f"sim:{tmp_path / 'flat.json'}", "--no-warmup", "--no-progress",
+                 "--json", str(out), *flags]) == 0
+    return json.loads(out.read_text())
+
+
+def test_a_small_replay_matches_hand_computed_step_times(tmp_path):
+    """One coupled instance, sarathi, budget 64: request a (20 + 3 tokens) at 0, b (8 + 2) at
+    0.035. Steps: [a:20] 30 ms -> a's first token at 0.030; [a:1] 11 ms -> 0.041 (b arrived at
+    0.035 and joins the next step); [a:1, b:8] 19 ms -> a done at 0.060, b's first token 0.060;
+    [b:1] 11 ms -> b done at 0.071."""
+    report = replay_sim(tmp_path, [{"timestamp": 0.0, "prompt_tokens": 20, "output_tokens": 3},
+                                   {"timestamp": 0.035, "prompt_tokens": 8, "output_tokens": 2}],
+                        "--mode", "coupled", "--instances", "1", "--batching", "sarathi",
+                        "--max-num-batched-tokens", "64", "--predictor", "none")
+    (s,) = report["systems"].values()
+    assert s["completed"] == 2 and s["output_tokens"] == 5
+    assert s["ttft"]["mean"] == pytest.approx(((0.030 - 0) + (0.060 - 0.035)) / 2)
+    assert s["jct"]["mean"] == pytest.approx(((0.060 - 0) + (0.071 - 0.035)) / 2)
+    assert s["resource_usage_s"] == pytest.approx(0.030 + 0.011 + 0.019 + 0.011)
+
+
+def test_disaggregated_sim_replay_is_deterministic_and_charges_the_link(tmp_path):
+    trace = [{"timestamp": 0.05 * i, "prompt_tokens": 30 + 7 * i, "output_tokens": 3 + i % 4} for i in range(12)]
+    flags = ("--mode", "disagg", "--prefill", "1", "--decode", "2", "--chunk-size", "64", "--link", "roce",
+             "--emulate-model", "opt-13b", "--predictor", "none")
+    a = replay_sim(tmp_path, trace, *flags, name="a")["systems"]
+    b = replay_sim(tmp_path, trace, *flags, name="b")["systems"]
+    host = {"wall_s", "simulated_s_per_wall_s"}  # how long the host took: the one thing that differs
+    (s,), (t,) = a.values(), b.values()
+    assert {k: v for k, v in s.items() if k not in host} == {k: v for k, v in t.items() if k not in host}
+    assert s["completed"] == 12 and s["kv_bytes_moved"] == 0  # no bytes move in a simulation
+    assert s["simulated_s_per_wall_s"] > 1
+
+
+def test_the_v100_profile_meets_the_papers_anchors():
+    """TetriInfer Fig. 2: prefill saturates near 512 tokens; a light decode step beside a heavy
+    prefill is several times slower (§2.2: ~5x)."""
+    prof = load_profile("opt-13b-v100-32gb")
+    cost = prof.cost
+    assert 384 <= cost.saturate_chunk(tile=64, max_chunk=2048) <= 768
+    slowdown = cost.step_s([(1024, 0)], [128] * 32) / cost.decode_s(32, 128)
+    assert 4 < slowdown < 12
+    assert prof.model_args().kv_bytes_per_token == 819_200
+    tokens = prof.kv_capacity_bytes // 819_200
+    assert 4000 < tokens < 7000  # a V100's 32 GB less OPT-13B's 25.7 GB of weights
+
+
+def test_set_accuracy_predictor(tmp_path):
+    from predictors.simple import SetAccuracyPredictor, error_offsets
+    from scheduling.request import Request, SamplingParams
+
+    confusion = tmp_path / "c.json"
+    confusion.write_text(json.dumps({"confusion": [[8, 2, 0], [1, 6, 3], [0, 0, 5]]}))
+    assert error_offsets(json.loads(confusion.read_text())["confusion"]) == {-1: 1 / 6, 1: 5 / 6}
+    reqs = []
+    for i in range(2000):
+        r = Request(f"r{i}", [1, 2], SamplingParams(max_tokens=2048))
+        r.oracle_length = 450  # bucket 2 at g=200
+        reqs.append(r)
+    for acc in (1.0, 0.749, 0.0):
+        p = SetAccuracyPredictor(granularity=200, accuracy=acc, confusion=str(confusion), seed=3)
+        got = [x.bucket for x in p.predict(reqs)]
+        share = sum(b == 2 for b in got) / len(got)
+        assert abs(share - acc) < 0.03, (acc, share)
+        assert set(got) <= {1, 2, 3} and got == [x.bucket for x in p.predict(reqs)]  # deterministic
+    with pytest.raises(ValueError, match="accuracy must be in"):
+        SetAccuracyPredictor(accuracy=1.5, confusion=str(confusion))
