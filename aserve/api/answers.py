@@ -127,7 +127,7 @@ async def stream(ctx: ServeContext, request: web.Request, req: GenerationRequest
                 if ev.finished and ev.error:
                     await resp.write(sse(_engine_error(ev.error).body()))
                 elif ev.finished:
-                    await resp.write(chunks.choice(c, Piece(), ev.finish_reason))
+                    await resp.write(chunks.choice(c, Piece(), c.finish_reason))
         if req.include_usage:
             await resp.write(chunks.usage(choices))
         await resp.write(b"data: [DONE]\n\n")

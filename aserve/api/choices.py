@@ -102,9 +102,10 @@ class Choice:
     def _echo(self) -> str:
         """The prompt, before the first token: its text, and its tokens' logprobs when asked."""
         if self.logprobs is not None and self.req.echo:
+            # every prompt row is scored by the step that samples the first token; a device that
+            # computes no logprobs (a simulated one) leaves them None
             ids = self.handle.request.prompt_token_ids
-            scored = self.handle.prompt_logprobs
-            assert len(scored) == len(ids) - 1, "the prompt is scored before its first token"
+            scored = self.handle.prompt_logprobs + [None] * (len(ids) - 1 - len(self.handle.prompt_logprobs))
             self.logprobs.add(ids[0], None)
             for tid, lp in zip(ids[1:], scored):
                 self.logprobs.add(tid, lp)
@@ -123,7 +124,8 @@ class Choice:
                 self.logprobs.add(ev.token_id, ev.logprobs)
         if ev.finished:
             text += self.detok.finish()
-            self.finish_reason = ev.finish_reason
+            # echo only: the prompt is all there is, whatever the token not returned did
+            self.finish_reason = "length" if self.discard and ev.finish_reason == "stop" else ev.finish_reason
         streamed = self.logprobs is not None and self.req.stream  # else they are taken once, at the end
         return Piece(text, self.logprobs.take() if streamed else None)
 
