@@ -109,3 +109,17 @@ def test_logprobs_are_the_models_not_the_tempered_ones(client):
     hot = client.chat.completions.create(temperature=1.5, top_p=0.9, seed=3, **kw).choices[0].logprobs.content[0]
     assert [t.token for t in hot.top_logprobs] == [t.token for t in greedy.top_logprobs]
     assert [t.logprob for t in hot.top_logprobs] == pytest.approx([t.logprob for t in greedy.top_logprobs], abs=1e-5)
+
+
+def test_disagg_gives_the_same_logprobs(client, default_bundle_fp32):
+    """Disaggregated, the prompt's rows and the first token are scored on the prefill instance
+    (in fixed-size chunks), the rest on the decode instance: the same numbers as coupled."""
+    ids = default_bundle_fp32.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    kw = dict(model="default", prompt=ids, echo=True, logprobs=2, max_tokens=4, temperature=0)
+    want = client.completions.create(**kw).choices[0]
+    with ServerThread(ClusterConfig(mode="disagg"), engine=FP32, model_bundle=default_bundle_fp32) as disagg:
+        got = openai_client(disagg).completions.create(**kw).choices[0]
+        disagg.wait_idle()
+    assert got.text == want.text and got.logprobs.tokens == want.logprobs.tokens
+    assert got.logprobs.token_logprobs[0] is None
+    assert got.logprobs.token_logprobs[1:] == pytest.approx(want.logprobs.token_logprobs[1:], abs=TOL)
