@@ -86,6 +86,7 @@ TABLE = [  # (path, body, status, error.param)
     (COMPLETION, comp(logprobs=True), 400, "logprobs"), (COMPLETION, comp(echo="yes"), 400, "echo"),
     (COMPLETION, comp(max_tokens=0), 400, "max_tokens"), (CHAT, chat(echo=True), 400, "echo"),
     (COMPLETION, comp(best_of=2), 400, "best_of"), (COMPLETION, comp(suffix="x"), 400, "suffix"),
+    (COMPLETION, comp(repetition_penalty=1.2), 400, "repetition_penalty"),
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     (CHAT, chat(functions=[{"name": "f"}]), 400, "functions"),
     (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
@@ -102,6 +103,7 @@ def test_validation_table(server, path, body, status, param):
 
 @pytest.mark.parametrize("extra", [dict(n=1), dict(presence_penalty=0, frequency_penalty=0.0), dict(user="u"),
                                    dict(logprobs=False, top_logprobs=0), dict(logprobs=None, top_logprobs=None),
+                                   dict(repetition_penalty=1.0),
                                    dict(response_format={"type": "text"}, tools=[], logprobs=False),
                                    dict(stream=False, stream_options=None, logit_bias={}), dict(top_k=-1)])
 def test_noop_values_are_accepted(server, extra):

@@ -149,6 +149,7 @@ def _logprobs(kind: str, body: dict) -> Optional[int]:
 NOOPS_COMMON = {
     "presence_penalty": none_or(0, 0.0), "frequency_penalty": none_or(0, 0.0),
     "logit_bias": none_or({}), "user": lambda v: v is None or isinstance(v, str),
+    "repetition_penalty": none_or(1, 1.0),  # vLLM's; vllm bench serve sends 1.0 (off)
 }
 NOOPS_CHAT = {
     "tools": none_or([]), "tool_choice": none_or("none"),
