@@ -27,6 +27,11 @@ class SamplingParams:
     # is no bound that schedulers, reservations or predictors read, so a replay that must
     # generate a trace's length does not hand every policy the true length for free
     length_after: Optional[int] = None
+    # log-probabilities (the model's own, before temperature and top-p), as vLLM names them:
+    # ``logprobs`` k >= 0: each sampled token's and the k most likely; ``prompt_logprobs`` k >= 0:
+    # every prompt token's (the first has none) and the k most likely (echo). None: not computed.
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -39,6 +44,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or k < 0):
+                raise ValueError(f"{name} must be None or an integer >= 0, got {k!r}")
 
     @property
     def greedy(self) -> bool:

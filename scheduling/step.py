@@ -32,6 +32,13 @@ class SeqStep:
     sampling: Optional[SamplingParams] = None  # None: no token is sampled (a prompt chunk mid-prompt)
     num_output_tokens: int = 0  # tokens it has already: a seeded request draws step i from (seed, i)
     tap: bool = False  # return this sequence's last token's features (StepPlan.tap_layer)
+    # Log-probabilities, computed only where a row asks (no log-softmax over the vocabulary else):
+    num_logprobs: Optional[int] = None  # sampled row: its token's logprob and this many top ones
+    prompt_targets: tuple[int, ...] = ()  # echo: row i scores prompt_targets[i], the prompt token after it
+    num_prompt_logprobs: int = 0  # top ones for each of those rows
+
+    def __post_init__(self):
+        assert len(self.prompt_targets) <= len(self.token_ids), "one scored prompt token a row at most"
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +98,25 @@ GREEDY = SamplingParams(temperature=0.0)  # sample the arg-max (benchmarks, test
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's log-probabilities: ``token_id``'s own and the ``top`` most likely tokens,
+    ``(token id, logprob)`` most likely first. Plain numbers: they leave the device's thread."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A step's scored prompt rows (echo): ``entries[i]`` is for the prompt token at position
+    ``first_pos + i`` (position 0 has none: nothing precedes it)."""
+
+    first_pos: int
+    entries: tuple[TokenLogprobs, ...]
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """What a device returns. ``logits`` and ``features`` hold the device's tensors, opaque here."""
 
@@ -100,6 +126,8 @@ class StepOutput:
     busy_s: float = 0.0  # how long the step held the device (an emulated device's time, when slower)
     logits: Optional[Mapping[str, Any]] = None
     features: Optional[Mapping[str, Any]] = None  # tapped request -> float32 [hidden]
+    logprobs: Optional[Mapping[str, TokenLogprobs]] = None  # sampled rows that asked (num_logprobs)
+    prompt_logprobs: Optional[Mapping[str, PromptLogprobs]] = None  # rows with prompt_targets
 
 
 @dataclass(frozen=True)
@@ -112,5 +140,19 @@ class StepEvents:
 
 def seq_step(req: Request, start: int, end: int, sample: bool, tap: bool = False) -> SeqStep:
     """``req``'s tokens ``[start, end)`` as a ``SeqStep`` over its current blocks."""
+    sp = req.sampling
     return SeqStep(req.request_id, tuple(req.token_ids_slice(start, end)), start, tuple(req.block_ids),
-                   req.sampling if sample else None, req.num_output_tokens, tap)
+                   sp if sample else None, req.num_output_tokens, tap,
+                   num_logprobs=sp.logprobs if sample else None, prompt_targets=prompt_targets(req, start, end),
+                   num_prompt_logprobs=sp.prompt_logprobs or 0)
+
+
+def prompt_targets(req: Request, start: int, end: int) -> tuple[int, ...]:
+    """Echo: the prompt tokens that rows ``[start, end)`` predict (row i: the token at i + 1).
+
+    Asked until the request samples its first token: the step that samples it is the one that
+    scores the prompt's last rows, so a recompute after that asks nothing again. A recompute
+    before it (a prompt preempted mid-way) asks again; the host keeps the first it got."""
+    if req.sampling.prompt_logprobs is None or req.output_token_ids:
+        return ()
+    return tuple(req.prompt_token_ids[start + 1:min(end + 1, req.num_prompt_tokens)])

@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Optional
 
+import pytest
+
 from aserve.api.server import ApiServer, ServerSettings
 from aserve.cluster.cluster import Cluster
 from aserve.config import ClusterConfig, EngineConfig
@@ -35,8 +37,10 @@ class ServerThread:
     """``with ServerThread(ClusterConfig(...), ServerSettings(...)) as s: s.url ...``"""
 
     def __init__(self, cluster_cfg: ClusterConfig, settings: ServerSettings = ServerSettings(),
-                 engine: EngineConfig = ENGINE):
+                 engine: EngineConfig = ENGINE, model_bundle=None):
+        """``model_bundle``: a loaded bundle matching ``engine`` (default: the shared bf16 one)."""
         self.cluster_cfg, self.settings, self.engine = cluster_cfg, settings, engine
+        self.model_bundle = model_bundle
         self.port: Optional[int] = None
         self.server: Optional[ApiServer] = None
         self._ready = threading.Event()
@@ -71,7 +75,7 @@ class ServerThread:
 
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
-        async with Cluster(self.engine, self.cluster_cfg, bundle=bundle()) as cluster:
+        async with Cluster(self.engine, self.cluster_cfg, bundle=self.model_bundle or bundle()) as cluster:
             self.server = ApiServer(cluster, "smollm2-135m-instruct", self.settings)
             self.port = await self.server.start("127.0.0.1", 0)
             self._ready.set()
@@ -133,3 +137,16 @@ async def iter_sse(resp):
             block, buf = buf.split(b"\n\n", 1)
             data = block.decode()[len("data: "):]
             yield data if data == "[DONE]" else json.loads(data)
+
+
+# ---- fixtures a test module imports (one coupled server on the default model per module) ----------
+@pytest.fixture(scope="module")
+def coupled_server():
+    with ServerThread(ClusterConfig(mode="coupled", num_coupled=1)) as s:
+        yield s
+
+
+def openai_client(server: ServerThread, timeout: float = 120):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)

@@ -63,8 +63,9 @@ TABLE = [  # (path, body, status, error.param)
     (CHAT, chat(messages=[{"role": "user", "content": "x", "name": "bob"}]), 400, "messages[0].name"),
     (COMPLETION, {"model": "default"}, 400, "prompt"), (COMPLETION, comp(prompt=""), 400, "prompt"),
     (COMPLETION, comp(prompt=[]), 400, "prompt"), (COMPLETION, comp(prompt=[-1]), 400, "prompt"),
-    (COMPLETION, comp(prompt=[10**6]), 400, "prompt"), (COMPLETION, comp(prompt=["a", "b"]), 400, "prompt"),
-    (COMPLETION, comp(prompt=5), 400, "prompt"), (COMPLETION, comp(prompt=[[1], [2]]), 400, "prompt"),
+    (COMPLETION, comp(prompt=[10**6]), 400, "prompt"), (COMPLETION, comp(prompt=["a", [1]]), 400, "prompt"),
+    (COMPLETION, comp(prompt=5), 400, "prompt"), (COMPLETION, comp(prompt=[[1], []]), 400, "prompt"),
+    (COMPLETION, comp(prompt=["a", ""]), 400, "prompt"), (COMPLETION, comp(prompt=["a"] * 257), 400, "prompt"),
     (CHAT, chat(max_tokens=0), 400, "max_tokens"), (CHAT, chat(max_tokens="5"), 400, "max_tokens"),
     (CHAT, chat(max_tokens=1.5), 400, "max_tokens"), (CHAT, chat(max_tokens=True), 400, "max_tokens"),
     (CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
@@ -78,9 +79,14 @@ TABLE = [  # (path, body, status, error.param)
     (CHAT, chat(ignore_eos="yes"), 400, "ignore_eos"), (CHAT, chat(stream="yes"), 400, "stream"),
     (CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
     (CHAT, chat(stream=True, stream_options={"x": 1}), 400, "stream_options"),
-    (CHAT, chat(n=2), 400, "n"), (CHAT, chat(logprobs=True), 400, "logprobs"),
-    (COMPLETION, comp(logprobs=1), 400, "logprobs"), (COMPLETION, comp(echo=True), 400, "echo"),
+    (CHAT, chat(stream=True, stream_options={"continuous_usage_stats": 1}), 400, "stream_options.continuous_usage_stats"),
+    (CHAT, chat(n=0), 400, "n"), (CHAT, chat(n=257), 400, "n"), (COMPLETION, comp(prompt=["a"] * 9, n=30), 400, "n"),
+    (CHAT, chat(logprobs=1), 400, "logprobs"), (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    (CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"), (COMPLETION, comp(logprobs=21), 400, "logprobs"),
+    (COMPLETION, comp(logprobs=True), 400, "logprobs"), (COMPLETION, comp(echo="yes"), 400, "echo"),
+    (COMPLETION, comp(max_tokens=0), 400, "max_tokens"), (CHAT, chat(echo=True), 400, "echo"),
     (COMPLETION, comp(best_of=2), 400, "best_of"), (COMPLETION, comp(suffix="x"), 400, "suffix"),
+    (COMPLETION, comp(repetition_penalty=1.2), 400, "repetition_penalty"),
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     (CHAT, chat(functions=[{"name": "f"}]), 400, "functions"),
     (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
@@ -96,6 +102,8 @@ def test_validation_table(server, path, body, status, param):
 
 
 @pytest.mark.parametrize("extra", [dict(n=1), dict(presence_penalty=0, frequency_penalty=0.0), dict(user="u"),
+                                   dict(logprobs=False, top_logprobs=0), dict(logprobs=None, top_logprobs=None),
+                                   dict(repetition_penalty=1.0),
                                    dict(response_format={"type": "text"}, tools=[], logprobs=False),
                                    dict(stream=False, stream_options=None, logit_bias={}), dict(top_k=-1)])
 def test_noop_values_are_accepted(server, extra):
@@ -188,7 +196,7 @@ def test_fuzz_never_5xx(server, case):
     if status >= 400:
         assert set(json.loads(got)["error"]) == {"message", "type", "param", "code"}
     elif not headers["Content-Type"].startswith("text/event-stream"):
-        assert json.loads(got)["usage"]["completion_tokens"] <= 5
+        assert json.loads(got)["usage"]["completion_tokens"] <= 5 * len(json.loads(got)["choices"])
 
 
 def test_fuzz_leaves_the_engine_alive_and_idle(server):

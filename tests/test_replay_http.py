@@ -69,6 +69,29 @@ def test_http_replay_streams_and_times_tokens():
     assert body["max_tokens"] == 4 and body["temperature"] == 0 and body["stream"] is True
     s = summarize(run)
     assert (s["completed"], s["failed"]) == (2, 1) and s["resource_usage_s"] is None
+    # beside aserve's own keys, vllm bench serve's (aserve/replay/vllm_names.py)
+    assert {f"{st}_{m}_ms" for st in ("mean", "median", "std", "p99") for m in ("ttft", "tpot", "itl", "e2el")} <= set(s)
+    assert s["total_output_tokens"] == 9 and s["request_throughput"] == pytest.approx(2 / s["duration"])
+    assert s["mean_ttft_ms"] == pytest.approx(1000 * (ok.first_token_s - ok.arrival_s + held.first_token_s
+                                                      - held.arrival_s) / 2)
+
+
+def test_vllm_fields_by_hand():
+    """Two requests with known times: every vLLM statistic by its definition (ms, population std)."""
+    from aserve.replay.report import RequestRecord
+    from aserve.replay.vllm_names import vllm_fields
+
+    a = RequestRecord(0, 10, 3, 0.0, "completed", first_token_s=0.1, finish_s=0.5, token_times=(0.1, 0.2, 0.5))
+    b = RequestRecord(1, 20, 2, 1.0, "completed", first_token_s=1.3, finish_s=1.4, token_times=(1.3, 1.4))
+    c = RequestRecord(2, 5, 2, 1.2, "failed", error="boom")
+    f = vllm_fields([a, b, c])
+    assert (f["completed"], f["failed"], f["total_input_tokens"], f["total_output_tokens"]) == (2, 1, 30, 5)
+    assert f["duration"] == pytest.approx(1.4)
+    assert f["request_throughput"] == pytest.approx(2 / 1.4) and f["output_throughput"] == pytest.approx(5 / 1.4)
+    assert (f["mean_ttft_ms"], f["median_ttft_ms"], f["std_ttft_ms"]) == pytest.approx((200, 200, 100))
+    assert f["mean_tpot_ms"] == pytest.approx((200 + 100) / 2)  # a: (0.5 - 0.1) / 2, b: 0.1 / 1
+    assert f["median_itl_ms"] == pytest.approx(100) and f["p99_itl_ms"] == pytest.approx(100 + 200 * 0.98)
+    assert f["mean_e2el_ms"] == pytest.approx((500 + 400) / 2)
 
 
 def test_api_base():

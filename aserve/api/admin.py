@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from aserve.api.validate import ApiError, parse_json, read_body
+from aserve.api.errors import ApiError
+from aserve.api.validate import parse_json, read_body
 from aserve.cluster.lifecycle import InstanceError
 
 

@@ -26,7 +26,7 @@ from aserve.api.admin import add_admin_routes
 from aserve.api.context import CTX, ServeContext, ServerSettings
 from aserve.api.generate import generate
 from aserve.api.metrics import ServerMetrics
-from aserve.api.validate import ApiError
+from aserve.api.errors import ApiError
 
 log = logging.getLogger("aserve.api")
 

@@ -38,6 +38,7 @@ from aserve.engine.stops import StopChecker
 from aserve.predict.online import OnlinePredictor
 from scheduling.clock import Clock, MonotonicClock
 from scheduling.request import Request, SamplingParams
+from scheduling.step import TokenLogprobs
 
 class Cluster:
     def __init__(self, engine: EngineConfig, cfg: ClusterConfig, bundle: Optional[ModelBundle] = None,
@@ -254,8 +255,13 @@ class Cluster:
     def on_step(self, instance: Instance, report: StepReport) -> None:
         if report.features:  # before the handoffs below, which wait for the ranges they give
             self.predictor.feed(report.features)
+        for rid, got in (report.prompt_logprobs or {}).items():  # before the token that follows them
+            handle = self.requests.get(rid)
+            if handle is not None:
+                handle.add_prompt_logprobs(got)
+        logprobs = report.logprobs or {}
         for req, reason in report.tokens:
-            self._deliver(req, reason)
+            self._deliver(req, reason, logprobs.get(req.request_id))
         for req in report.prefilled:
             handle = self.requests.get(req.request_id)
             if handle is None or handle.phase == "done":
@@ -266,7 +272,7 @@ class Cluster:
     def on_failure(self, instance: Instance, why: str) -> None:
         self.lifecycle.on_failure(instance, why)
 
-    def _deliver(self, req: Request, reason: Optional[str]) -> None:
+    def _deliver(self, req: Request, reason: Optional[str], logprobs: Optional[TokenLogprobs] = None) -> None:
         """One new token of ``req`` to its consumer; ``reason``: the instance's stop check ended it."""
         handle = self.requests.get(req.request_id)
         if handle is None or handle.phase == "done":
@@ -274,7 +280,7 @@ class Cluster:
         now = self.clock.now()
         req.times.setdefault("first_token", now)
         handle.token_times.append(now)
-        handle.queue.put_nowait(TokenEvent(req.output_token_ids[-1]))
+        handle.queue.put_nowait(TokenEvent(req.output_token_ids[-1], logprobs=logprobs))
         if reason:
             self.finish(handle, reason)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from scheduling.request import Request
+from scheduling.step import PromptLogprobs, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,7 @@ class TokenEvent:
     finished: bool = False
     finish_reason: Optional[str] = None
     error: Optional[str] = None
+    logprobs: Optional[TokenLogprobs] = None  # the token's, when the request asked (SamplingParams.logprobs)
 
 
 @dataclass
@@ -31,6 +33,16 @@ class RequestHandle:
     prefill_instance: Optional[str] = None
     decode_instance: Optional[str] = None
     epoch: int = 0  # bumped when the request is re-run elsewhere: stale handoffs see it and stop
+    # echo (SamplingParams.prompt_logprobs): entry i is the prompt token at position i + 1's; all
+    # of them are here before the first token's event (the step that samples it scores the last rows)
+    prompt_logprobs: list = field(default_factory=list)
+
+    def add_prompt_logprobs(self, got: PromptLogprobs) -> None:
+        """Take a step's scored prompt rows; rows scored again (a prompt recomputed after a
+        preemption) are the same numbers: the first ones stay."""
+        have = len(self.prompt_logprobs) + 1  # the next position wanted
+        assert got.first_pos <= have, f"prompt logprobs skip positions {have}..{got.first_pos - 1}"
+        self.prompt_logprobs.extend(got.entries[have - got.first_pos:])
 
 
 class EventLog:

@@ -32,7 +32,7 @@ from scheduling.decode import DecodeScheduler
 from scheduling.dispatch import DecodeLoad
 from scheduling.prefill import PrefillScheduler
 from scheduling.request import Request
-from scheduling.step import StepOutput, StepPlan
+from scheduling.step import PromptLogprobs, StepOutput, StepPlan, TokenLogprobs
 
 S = TypeVar("S", bound=Scheduler)
 
@@ -45,6 +45,8 @@ class StepReport:
     prefilled: tuple[Request, ...]  # prompt done here and not finished: KV ready for a hand-over
     features: Optional[Mapping[str, Any]]  # the length predictor's taps (request -> hidden state)
     num_tokens: int  # rows the step computed, padding included
+    logprobs: Optional[Mapping[str, TokenLogprobs]] = None  # of this step's tokens, where asked
+    prompt_logprobs: Optional[Mapping[str, PromptLogprobs]] = None  # scored prompt rows (echo)
 
 
 class InstanceHost(Protocol):
@@ -116,7 +118,7 @@ class Instance:
                     finished[req.request_id] = reason
             report = StepReport(tuple((r, finished.get(r.request_id)) for r in events.tokens),
                                 tuple(r for r in events.prefilled if r.request_id not in finished),
-                                out.features, out.num_tokens)
+                                out.features, out.num_tokens, out.logprobs, out.prompt_logprobs)
             self.host.on_step(self, report)
 
     def _account(self, plan: StepPlan, out: StepOutput) -> None:

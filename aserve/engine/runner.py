@@ -7,10 +7,11 @@ The runner never touches ``Request`` objects or block managers.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
+from aserve.engine.logprobs import prompt_logprobs, sampled_logprobs
 from model.attention import AttentionMeta, PrefillSeq, causal_mask
 from model.kv_cache import HostKV, KVCache
 from model.sampler import SampleSpec, sample
@@ -36,28 +37,31 @@ class ModelRunner:
         self._swap(step)
         if not step.seqs:
             return StepOutput({}, num_tokens=0, forward_s=time.perf_counter() - t0)
-        ids, positions, meta, sample_rows, sample_specs, sample_ids, (tap_rows, tap_ids) = self._prepare(step)
+        lay = self._prepare(step)
         features = None
-        if tap_rows and hasattr(self.model, "forward_tapped"):  # OPT has no tap: no features
-            hidden, taps = self.model.forward_tapped(ids, positions, meta, self.kv.pool, step.tap_layer,
-                                                     self._long(tap_rows))
-            features = dict(zip(tap_ids, taps.float().cpu()))
+        if lay.tap_rows and hasattr(self.model, "forward_tapped"):  # OPT has no tap: no features
+            hidden, taps = self.model.forward_tapped(lay.ids, lay.positions, lay.meta, self.kv.pool, step.tap_layer,
+                                                     self._long(lay.tap_rows))
+            features = dict(zip(lay.tap_ids, taps.float().cpu()))
         else:
-            hidden = self.model(ids, positions, meta, self.kv.pool)  # [T, hidden]
-        sampled, logits_out = {}, None
-        if sample_rows:
+            hidden = self.model(lay.ids, lay.positions, lay.meta, self.kv.pool)  # [T, hidden]
+        sampled, logits_out, logprobs = {}, None, None
+        if lay.sample_rows:
             # a decode-only step samples every row in order: no gather (a batch-1 step is ~10 ms)
-            every_row = len(sample_rows) == hidden.shape[0] and sample_rows[-1] == len(sample_rows) - 1
-            rows = hidden if every_row else hidden[torch.tensor(sample_rows, device=self.device)]
-            logits = self.model.logits(rows)
-            tokens = sample(logits, sample_specs, self.generator)
+            rows = lay.sample_rows
+            every_row = len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1
+            logits = self.model.logits(hidden if every_row else hidden[torch.tensor(rows, device=self.device)])
+            tokens = sample(logits, [_spec(s) for s in lay.sample_seqs], self.generator)
+            sample_ids = [s.request_id for s in lay.sample_seqs]
             sampled = dict(zip(sample_ids, tokens))
+            logprobs = sampled_logprobs(logits, lay.sample_seqs, tokens) or None
             if step.want_logits:
                 logits_out = {rid: logits[i].cpu() for i, rid in enumerate(sample_ids)}
+        scored = prompt_logprobs(self.model.logits, hidden, lay.scored) if lay.scored else None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepOutput(sampled, num_tokens=ids.shape[0], forward_s=time.perf_counter() - t0, logits=logits_out,
-                          features=features)
+        return StepOutput(sampled, num_tokens=lay.ids.shape[0], forward_s=time.perf_counter() - t0, logits=logits_out,
+                          features=features, logprobs=logprobs, prompt_logprobs=scored)
 
     def _swap(self, step: StepPlan) -> None:
         """Swap-outs first, then swap-ins (a block freed by a swap-out may be reused at once).
@@ -78,15 +82,16 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, step: StepPlan) -> torch.Tensor:
         """Logits of every token of the step, [T, vocab] (parity tests; writes the KV like execute)."""
-        ids, positions, meta, *_ = self._prepare(step)
-        return self.model.logits(self.model(ids, positions, meta, self.kv.pool))
+        lay = self._prepare(step)
+        return self.model.logits(self.model(lay.ids, lay.positions, lay.meta, self.kv.pool))
 
-    def _prepare(self, step: StepPlan):
+    def _prepare(self, step: StepPlan) -> "_Layout":
         bs = self.block_size
         prefills = [s for s in step.seqs if len(s.token_ids) > 1]
         decodes = [s for s in step.seqs if len(s.token_ids) == 1]
-        ids, pos, slots, pre_meta, rows, specs, rids = [], [], [], [], [], [], []
+        ids, pos, slots, pre_meta, rows, sample_seqs = [], [], [], [], [], []
         tap_rows, tap_ids = [], []  # last-token rows of sequences whose features are asked for
+        scored = []  # (first row, seq) of sequences whose prompt rows are scored (echo)
         for s in prefills + decodes:
             n = len(s.token_ids)
             start_tok = len(ids)
@@ -102,8 +107,9 @@ class ModelRunner:
                                            causal_mask(n, ctx, self.device)))
             if s.sampling is not None:
                 rows.append(start_tok + n - 1)
-                specs.append(_spec(s))
-                rids.append(s.request_id)
+                sample_seqs.append(s)
+            if s.prompt_targets:
+                scored.append((start_tok, s))
             if s.tap and step.tap_layer:
                 tap_rows.append(start_tok + n - 1)
                 tap_ids.append(s.request_id)
@@ -112,7 +118,7 @@ class ModelRunner:
         pos.extend([0] * step.num_pad_tokens)
         bt, ctx_lens = self._decode_tables(decodes)
         meta = AttentionMeta(self._long(slots), tuple(pre_meta), num_prefill, len(decodes), bs, bt, ctx_lens)
-        return self._long(ids), self._long(pos), meta, rows, specs, rids, (tap_rows, tap_ids)
+        return _Layout(self._long(ids), self._long(pos), meta, rows, sample_seqs, tap_rows, tap_ids, scored)
 
     def _decode_tables(self, decodes: list[SeqStep]):
         if not decodes:
@@ -125,6 +131,19 @@ class ModelRunner:
 
     def _long(self, xs) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+class _Layout(NamedTuple):
+    """A plan laid out as rows: the model's inputs and which rows each output comes from."""
+
+    ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMeta
+    sample_rows: list  # the row of each sampled sequence's last token
+    sample_seqs: list  # their SeqSteps, in the same order
+    tap_rows: list
+    tap_ids: list
+    scored: list  # (first row, SeqStep) with prompt targets
 
 
 def _spec(s: SeqStep) -> SampleSpec:

@@ -6,7 +6,8 @@ Each request sends its prompt as token ids with ``max_tokens`` = the trace's out
 a server that holds back text (partial UTF-8, stop-string look-ahead) merges tokens into one
 chunk, so TBT over HTTP is an upper bound, and the token count comes from ``usage`` when sent.
 An aserve server's ``/v1/stats`` is polled during the replay for resource usage, padding, KV
-bytes and the instance timeline; other servers report those as n/a.
+bytes and the instance timeline; other servers report those as n/a. The JSON also carries the
+numbers under ``vllm bench serve``'s names (aserve/replay/vllm_names.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Optional, Sequence
 from aserve.replay.driver import SAMPLE_PERIOD_S, ReplayProgress, drive
 from aserve.replay.report import InstanceRecord, RequestRecord, SystemRun
 from aserve.replay.traces import Trace, TraceRequest
+from aserve.replay.vllm_names import vllm_fields
 
 
 def api_base(url: str) -> str:
@@ -187,4 +189,4 @@ async def replay_http(url: str, name: str, trace: Trace, prompts: Sequence[list[
             await stats.take()
     flips = stats.snaps[-1][1].get("num_flips") if stats.snaps else None
     return SystemRun(name, tuple(records), stats.instances(), stats.kv_bytes(), flips,
-                     config={"url": url, "model": target.model})
+                     config={"url": url, "model": target.model}, vllm=vllm_fields(records))

