@@ -78,6 +78,11 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
     g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds before a KV transfer is retried")
     g.add_argument("--lease", type=float, default=60.0,
                    help="seconds before decode blocks reserved for KV that never came are freed")
+    g.add_argument("--cluster", dest="backend", default="local", metavar="local|ray[:ADDRESS]",
+                   help="where instances run: local (threads of this process) | ray (one Ray actor each, a local Ray "
+                        "sized to this machine) | ray:ADDRESS (join the Ray cluster at ADDRESS, or ray:auto; docs/RAY.md)")
+    g.add_argument("--actor-start-timeout", type=float, default=300.0,
+                   help="--cluster ray: seconds an instance's actor may take to start and load the model")
     g.add_argument("--device-share", default="shared",
                    help="shared: instances share the CPU's cores | dedicated: emulate one device per instance "
                         "(cores/N of a core each, an idle instance's share is lost), as on GPUs")
@@ -100,7 +105,8 @@ def cluster_config(a: argparse.Namespace):
                          emulate_kv_bytes_per_token=a.emulate_kv_bytes_per_token,
                          monitor_interval_s=a.monitor_interval, flip=a.flip, flip_window_s=a.flip_window,
                          flip_idle_s=a.flip_idle, on_failure=a.on_failure, transfer_timeout_s=a.transfer_timeout,
-                         lease_s=a.lease, device_share=a.device_share, seed=a.seed)
+                         lease_s=a.lease, device_share=a.device_share, backend=a.backend,
+                         actor_start_timeout_s=a.actor_start_timeout, seed=a.seed)
 
 
 def engine_config(a: argparse.Namespace):

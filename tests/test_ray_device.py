@@ -1,6 +1,6 @@
-"""DeviceHost, the body of an instance's Ray actor, driven without Ray (a tiny random model): the
-hand-over's export / import / confirm moves the right bytes, and an export nobody confirms is
-unpinned when its lease runs out."""
+"""The Ray device's pieces, without Ray: DeviceHost (the body of an instance's actor, over a tiny
+random model) moves the right bytes through export / import / confirm and unpins an export nobody
+confirms when its lease runs out; ``--cluster`` parses into ``ClusterConfig.backend``."""
 import asyncio
 from pathlib import Path
 
@@ -81,3 +81,22 @@ def test_import_of_the_wrong_size_is_refused(bundle):
     asyncio.run(run())
     with pytest.raises(ValueError, match="lease_s"):
         DeviceHost("x", ENGINE, 1, 0.0)
+
+
+def test_cluster_flag_and_backend_checks():
+    from aserve.commands import build_parser
+    from aserve.commands.common import cluster_config
+    from aserve.config import ClusterConfig
+
+    a = build_parser().parse_args(["replay", "t.jsonl", "--cluster", "ray:10.0.0.1:6379", "--chunk-size", "64"])
+    cfg = cluster_config(a)
+    assert (cfg.backend, cfg.ray_address) == ("ray:10.0.0.1:6379", "10.0.0.1:6379")
+    assert ClusterConfig(backend="ray").ray_address is None and ClusterConfig().backend == "local"
+    for bad in ("ray:", "local:x", "dask", "ray: "):
+        with pytest.raises(ValueError, match="bad backend"):
+            ClusterConfig(backend=bad)
+    with pytest.raises(ValueError, match="device_share 'dedicated'"):
+        ClusterConfig(backend="ray", device_share="dedicated")
+    with pytest.raises(ValueError, match="--mode disagg or coupled"):
+        a = build_parser().parse_args(["generate", "hi", "--cluster", "ray"])
+        a.func(a)
