@@ -55,6 +55,8 @@ def test_killed_decode_instance_loses_no_request(workload):
         assert cl.instances["d2"].state == "failed"
         assert cl.lifecycle.counts["reruns"] > 0 and cl.lifecycle.counts["instance_failures"] == 1
         assert any(e["kind"] == "instance_failed" for e in cl.log.events)
+        (failure,) = cl.lifecycle.failure_log  # every request it held streams again: the recovery time
+        assert failure["instance"] == "d2" and failure["requests"] > 0 and 0 < failure["recovered_s"] < 60
     drill(workload, kill, then=then)
 
 

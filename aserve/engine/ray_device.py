@@ -80,7 +80,9 @@ class RayDevice(Device):
     async def ready(self) -> None:
         if self._ready is None:
             self._ready = asyncio.ensure_future(self._wait_up())
-        await asyncio.shield(self._ready)
+        if not self._ready.done():  # every step asks: once up, no await at all
+            await asyncio.shield(self._ready)
+        self._ready.result()  # a start that failed fails every step
 
     async def _wait_up(self) -> None:
         try:
@@ -89,7 +91,7 @@ class RayDevice(Device):
             raise DeviceFault(f"instance {self.name}: its Ray actor was not up within {self.start_timeout_s:g} s "
                               f"(it asks for {self._asks()}; free now: {_free()})") from None
         except RayError as e:
-            raise DeviceFault(f"instance {self.name}: its Ray actor failed to start: {_first_line(e)}") from None
+            raise DeviceFault(f"instance {self.name}: its Ray actor failed to start: {_why(e)}") from None
         if (info["num_blocks"], info["block_size"]) != (self.num_blocks, self.block_size):
             raise DeviceFault(f"instance {self.name}: the actor's pool has {info['num_blocks']} blocks of "
                               f"{info['block_size']} tokens, the driver sized {self.num_blocks} of {self.block_size} "
@@ -106,7 +108,7 @@ class RayDevice(Device):
                 await self.actor.watch.remote()
             except RayError as e:
                 if not self._closing:
-                    on_lost(f"Ray actor of instance {self.name} died: {_first_line(e)}")
+                    on_lost(f"Ray actor of instance {self.name} died: {_why(e)}")
 
         self._watcher = asyncio.ensure_future(wait_for_death())
 
@@ -117,7 +119,7 @@ class RayDevice(Device):
         try:
             out, cpu_s = await self.actor.execute.remote(plan)
         except RayError as e:
-            raise DeviceFault(f"instance {self.name}: step failed in its Ray actor: {_first_line(e)}") from None
+            raise DeviceFault(f"instance {self.name}: step failed in its Ray actor: {_why(e)}") from None
         self.num_steps += 1
         self.overhead_s += max(0.0, time.perf_counter() - t0 - out.busy_s)
         self.cpu_s += cpu_s
@@ -166,7 +168,7 @@ class RayDevice(Device):
         except RayError as e:
             self.actor.release.remote(request_id)  # harmless if this actor is the one that died
             raise TransferError(f"request {request_id!r}: KV transfer {self.name} -> {dst.name} failed: "
-                                f"{_first_line(e)}") from None
+                                f"{_why(e)}") from None
 
     async def held(self) -> dict:
         """The actor's pinned exports and counters (tests, views)."""
@@ -197,7 +199,7 @@ def _free() -> str:
     return ", ".join(f"{free.get(k, 0):g} {k}" for k in ("CPU", "GPU"))
 
 
-def _first_line(e: BaseException) -> str:
+def _why(e: BaseException) -> str:
     """What happened, in one line: an error raised in the actor as itself (Ray wraps it with the
     remote traceback), else the first line of Ray's own message (an actor that died, ...)."""
     cause = getattr(e, "cause", None)
