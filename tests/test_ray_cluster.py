@@ -91,3 +91,15 @@ def test_killed_actor_mid_run_loses_no_request(local_ray, default_bundle_fp32, o
     assert failure["instance"] == dead.id and failure["requests"] >= 1 and counts["reruns"] >= 1
     assert 0 < failure["recovered_s"] < 60  # the last re-run request streamed again this long after
     print(f"\nkilled {dead.id} holding {failure['requests']} requests: recovered in {failure['recovered_s']:.3f} s")
+
+
+def test_actor_that_cannot_be_placed_fails_start_with_a_readable_error(local_ray, default_bundle_fp32):
+    """An instance asking Ray for what no host has (a GPU here) never starts: the cluster's start
+    fails within the actor start timeout, naming what was asked and what is free."""
+    from aserve.engine.device import DeviceFault
+
+    cfg = ClusterConfig(mode="coupled", num_coupled=1, backend="ray", actor_start_timeout_s=3)
+    cl = Cluster(EngineConfig(dtype="fp32", kv_cache_gb=0.1, device="cuda"), cfg, bundle=default_bundle_fp32)
+    with pytest.raises(DeviceFault, match=r"not up within 3 s \(it asks for 1 GPU; free now: 2 CPU, 0 GPU\)"):
+        asyncio.run(cl.start())
+    assert not cl.started and local_ray.is_initialized()  # the session's Ray is not this cluster's to stop
