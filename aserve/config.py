@@ -48,6 +48,7 @@ class EngineConfig:
 
 
 MODES = ("disagg", "coupled")
+DEVICE_BACKENDS = ("local", "ray")  # where instances run (ClusterConfig.backend)
 PREDICTOR_FEATURES = ("auto", "prefill", "prompt")
 
 
@@ -97,6 +98,10 @@ class ClusterConfig:
     transfer_retries: int = 2  # retries on other decode instances before re-running from the prompt
     lease_s: float = 60.0  # decode blocks reserved for KV that never arrives are freed after this
     device_share: str = "shared"  # shared | dedicated: emulate one device per instance (aserve/engine/device.py, CoreShare)
+    # where instances' devices live: local (threads of this process) | ray (a Ray actor each, on a
+    # local Ray sized to this machine) | ray:ADDRESS (on the running Ray cluster at ADDRESS, or auto)
+    backend: str = "local"
+    actor_start_timeout_s: float = 300.0  # ray: an actor not up (model loaded) by then fails its instance
     seed: int = 0
 
     def __post_init__(self):
@@ -126,6 +131,20 @@ class ClusterConfig:
             raise ValueError(f"bad device_share {self.device_share!r}: shared or dedicated")
         if self.transfer_retries < 0:
             raise ValueError(f"transfer_retries must be >= 0, got {self.transfer_retries}")
+        kind, sep, address = self.backend.partition(":")
+        if kind not in DEVICE_BACKENDS or (sep and (kind != "ray" or not address.strip())):
+            raise ValueError(f"bad backend {self.backend!r}: local, ray, or ray:ADDRESS")
+        if kind == "ray" and self.device_share == "dedicated":
+            raise ValueError("device_share 'dedicated' emulates one device per instance inside one process; with "
+                             "backend ray every instance is a process of its own: use device_share 'shared'")
+        if not self.actor_start_timeout_s > 0:
+            raise ValueError(f"actor_start_timeout_s must be > 0, got {self.actor_start_timeout_s}")
+
+    @property
+    def ray_address(self) -> Optional[str]:
+        """The Ray cluster to join (``ray:ADDRESS``); None: start a local one (or use the Ray this
+        process is already connected to)."""
+        return self.backend.partition(":")[2].strip() or None
 
     def _check_predictor(self) -> None:
         from predictors.base import GRANULARITIES, MODES as PREDICTOR_MODES

@@ -139,13 +139,21 @@ def swap_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype, s
     return channels * (block_size + torch.empty((), dtype=SCALE_DTYPE).element_size())
 
 
+def num_swap_blocks(args: ModelArgs, block_size: int, dtype: torch.dtype, budget_bytes: int,
+                    swap_dtype: str = "same") -> int:
+    """How many host blocks ``budget_bytes`` holds in ``swap_dtype`` (a device in another process
+    knows the count before its swap space exists)."""
+    n = budget_bytes // swap_bytes_per_block(args, block_size, dtype, swap_dtype)
+    if n < 1:
+        raise ValueError(f"a swap budget of {budget_bytes} bytes holds no {swap_dtype} block of {block_size} tokens")
+    return int(n)
+
+
 def host_swap_space(args: ModelArgs, block_size: int, dtype: torch.dtype, budget_bytes: int,
                     swap_dtype: str = "same") -> HostKV:
     """As many host blocks as ``budget_bytes`` holds in ``swap_dtype`` (at 16 tokens a block
     INT8 with fp32 scales holds 1.6x the blocks of bf16 and 3.2x those of fp32)."""
-    n = budget_bytes // swap_bytes_per_block(args, block_size, dtype, swap_dtype)
-    if n < 1:
-        raise ValueError(f"a swap budget of {budget_bytes} bytes holds no {swap_dtype} block of {block_size} tokens")
+    n = num_swap_blocks(args, block_size, dtype, budget_bytes, swap_dtype)
     if swap_dtype == "int8":
-        return Int8KVCache(args, int(n), block_size, dtype, "cpu")
-    return KVCache(args, int(n), block_size, dtype, "cpu")
+        return Int8KVCache(args, n, block_size, dtype, "cpu")
+    return KVCache(args, n, block_size, dtype, "cpu")

@@ -22,6 +22,7 @@ The real copy is never hidden: the emulated time only adds waiting on top of it.
 as RDMA verbs: two-sided ``send``/``recv`` (both sides post; matched by request id) and
 one-sided ``write`` (the sender pushes) / ``read`` (the receiver pulls). Only the event-loop
 thread calls these; the copy itself may run on an executor so the loop stays responsive.
+``carry`` charges the same link for a copy made elsewhere (between two processes).
 """
 from __future__ import annotations
 
@@ -285,7 +286,7 @@ class KVLink:
         """A transfer with no bytes moved: a simulated device's KV of ``num_tokens`` tokens that
         would weigh ``nbytes``; the link is charged (``emulation`` may say otherwise) and shared
         with the other transfers as ever, and the wait is all the record shows."""
-        return await self._carry("write", request_id, 0, self.emulation.nbytes(num_tokens, nbytes), None)
+        return await self._charge("write", request_id, 0, num_tokens, None, self.emulation.nbytes(num_tokens, nbytes))
 
     def pending(self) -> dict[str, str]:
         """Two-sided posts still waiting for their match: request id -> side."""
@@ -343,15 +344,30 @@ class KVLink:
         nbytes = len(src_block_ids) * block_nbytes(src_pool)
         if num_tokens is None:
             num_tokens = len(src_block_ids) * src_pool.shape[3]
+        return await self._charge(op, request_id, nbytes, num_tokens, lambda: self._copy(
+            request_id, src_pool, src_block_ids, dst_pool, dst_block_ids, executor or self._executor))
 
-        def copy():
-            return self._copy(request_id, src_pool, src_block_ids, dst_pool, dst_block_ids, executor or self._executor)
+    async def carry(self, request_id: str, nbytes: int, num_tokens: int,
+                    copy: Callable[[], Awaitable[float]]) -> TransferRecord:
+        """A one-sided write whose real copy happens elsewhere (between two processes, through
+        Ray's object store): ``copy()`` moves the ``nbytes`` and returns the seconds it took on
+        the link's clock (``self.clock``: the record checks the copy is never hidden), and
+        the link charges and waits out the emulated time around it exactly as for ``write``.
+        The caller checks the blocks (it knows both pools' shapes) and turns its own errors
+        into ``TransferError``; a cancelled ``copy`` must let a write already under way land
+        before it re-raises, as ``write`` does."""
+        if nbytes < 0 or num_tokens < 0:
+            raise ValueError(f"request {request_id!r}: nbytes and num_tokens must be >= 0")
+        return await self._charge("write", request_id, nbytes, num_tokens, copy)
 
-        return await self._carry(op, request_id, nbytes, self.emulation.nbytes(num_tokens, nbytes), copy)
-
-    async def _carry(self, op: str, request_id: str, nbytes: int, emulated_nbytes: int, copy) -> TransferRecord:
-        """Charge the link for ``emulated_nbytes`` while ``copy()`` (None: no bytes move) runs;
-        the transfer ends when both the copy and the link model are done."""
+    async def _charge(self, op: str, request_id: str, nbytes: int, num_tokens: int,
+                      copy: Optional[Callable[[], Awaitable[float]]],
+                      emulated_nbytes: Optional[int] = None) -> TransferRecord:
+        """Put the transfer on the link model, run the real ``copy`` (None: no bytes move), wait
+        out the rest. ``emulated_nbytes``: what the link is charged (default: ``emulation``'s
+        reading of the real bytes)."""
+        if emulated_nbytes is None:
+            emulated_nbytes = self.emulation.nbytes(num_tokens, nbytes)
         transfer_id = next(self._ids)
         start = self.clock.now()
         self.model.start(transfer_id, emulated_nbytes)

@@ -27,3 +27,16 @@ def default_bundle_fp32():
     from aserve.engine.bundle import ModelBundle
 
     return ModelBundle.load(EngineConfig(dtype="fp32", attention="reference"))
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """One local Ray for the whole test session: two CPUs and a small object store, as the Ray
+    tests are sized for. Clusters with ``backend="ray"`` find it connected and leave it up."""
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
+    import logging
+
+    ray.init(num_cpus=2, object_store_memory=128 * 2**20, include_dashboard=False,
+             logging_level=logging.WARNING)
+    yield ray
+    ray.shutdown()

@@ -13,6 +13,7 @@ from aserve.config import ClusterConfig, EngineConfig
 from aserve.engine.offline import LLM
 from aserve.cluster.lifecycle import InstanceError
 from scheduling.request import SamplingParams
+from tests.cluster_support import check, settled, stream_all
 
 pytestmark = pytest.mark.slow
 SP = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -30,49 +31,6 @@ def workload(default_bundle_fp32):
     return default_bundle_fp32, ids, want
 
 
-async def stream_all(cl: Cluster, ids, during=None, after_tokens: int = 40, timeout: float = 300):
-    """Submit everything, run ``during(cl)`` once ``after_tokens`` tokens have streamed in all,
-    and return every request's streamed token ids and finish reason."""
-    handles = [cl.submit(p, SP, request_id=f"r{i}") for i, p in enumerate(ids)]
-    streamed = [0]
-    fired = asyncio.Event()
-
-    async def consume(h):
-        toks = []
-        async for ev in cl.stream(h):
-            if ev.token_id is not None:
-                toks.append(ev.token_id)
-                streamed[0] += 1
-                if streamed[0] >= after_tokens:
-                    fired.set()
-            if ev.finished:
-                return toks, ev.finish_reason, ev.error
-
-    async def trigger():
-        if during is not None:
-            await fired.wait()
-            await during(cl)
-
-    results, _ = await asyncio.wait_for(asyncio.gather(asyncio.gather(*map(consume, handles)), trigger()), timeout)
-    return results
-
-
-async def settled(cl: Cluster, survivors) -> None:
-    """Every surviving instance has all its blocks back (transfers may land a moment later)."""
-    for _ in range(500):
-        if not cl.requests and all(cl.instances[i].blocks.num_free == cl.instances[i].blocks.num_blocks
-                                   for i in survivors):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"blocks leaked: {cl.free_blocks()} of {cl.total_blocks()}, requests {list(cl.requests)}")
-
-
-def check(results, want):
-    for i, ((toks, reason, err), w) in enumerate(zip(results, want)):
-        assert err is None and reason == "length", (i, reason, err)
-        assert toks == w, f"request {i}: streamed output differs from the fault-free run"
-
-
 def drill(workload, during, after_tokens=40, then=None):
     """The 32 requests through a fresh 2 + 2 cluster; ``during(cl)`` fires once ``after_tokens``
     tokens have streamed. Every output must equal the fault-free run's and every instance still
@@ -81,7 +39,7 @@ def drill(workload, during, after_tokens=40, then=None):
 
     async def main():
         async with Cluster(ENGINE, TWO_TWO, bundle=bundle) as cl:
-            check(await stream_all(cl, ids, during, after_tokens), want)
+            check(await stream_all(cl, ids, SP, during, after_tokens), want)
             await settled(cl, [i for i, inst in cl.instances.items() if inst.state == "active"])
             if then is not None:
                 await then(cl)
@@ -97,6 +55,8 @@ def test_killed_decode_instance_loses_no_request(workload):
         assert cl.instances["d2"].state == "failed"
         assert cl.lifecycle.counts["reruns"] > 0 and cl.lifecycle.counts["instance_failures"] == 1
         assert any(e["kind"] == "instance_failed" for e in cl.log.events)
+        (failure,) = cl.lifecycle.failure_log  # every request it held streams again: the recovery time
+        assert failure["instance"] == "d2" and failure["requests"] > 0 and 0 < failure["recovered_s"] < 60
     drill(workload, kill, then=then)
 
 
@@ -132,7 +92,7 @@ def test_no_instance_left_ends_requests_with_a_clear_error(workload):
             async def kill_both(cl):
                 cl.lifecycle.kill("d1")
                 cl.lifecycle.kill("p0")
-            results = await stream_all(cl, ids[:8], kill_both, after_tokens=3, timeout=60)
+            results = await stream_all(cl, ids[:8], SP, kill_both, after_tokens=3, timeout=60)
             assert all(reason == "error" and "no healthy instance" in err for _, reason, err in results)
             assert not cl.requests
     asyncio.run(main())
@@ -153,7 +113,7 @@ def test_flip_under_load_keeps_outputs_and_is_fast(workload):
             assert r["flip_s"] < 0.05, r  # the switch alone; the drain is reported apart
             assert r["drain_s"] >= 0
         assert cl.lifecycle.counts["flips"] == 2 and len(cl.lifecycle.flip_log) == 2
-        check(await stream_all(cl, ids[:8]), want[:8])  # the flipped instances serve in their new roles
+        check(await stream_all(cl, ids[:8], SP), want[:8])  # the flipped instances serve in their new roles
         assert cl.instances["p0"].num_decode_tokens > 0 and cl.instances["d2"].num_prefill_tokens > 0
         await cl.lifecycle.flip("p1")  # idle: drains at once
         with pytest.raises(InstanceError, match="last active prefill"):

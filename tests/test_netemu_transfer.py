@@ -203,6 +203,32 @@ def test_slow_copy_is_not_hidden():
     assert slept == [] and link.stats()["num_copy_bound"] == 1
 
 
+
+def test_carry_charges_the_link_for_a_copy_made_elsewhere():
+    """A copy between two processes (a Ray hand-over) is timed by the caller; the link adds the
+    emulated wait on top of it and counts it like any write, failures included."""
+    link, clock, slept = fake_link()
+
+    async def remote_copy() -> float:  # 0.2 s of real copy, on the link's clock
+        clock.advance(0.2)
+        return 0.2
+
+    rec = asyncio.run(link.carry("r", 3000, 30, remote_copy))
+    assert (rec.nbytes, rec.emulated_nbytes, rec.op) == (3000, 3000, "write")
+    assert rec.real_copy_s == pytest.approx(0.2)
+    assert rec.emulated_s == pytest.approx(3000 / 1000 + 0.5)  # the link's time: the copy hides in it
+    assert slept == pytest.approx([rec.emulated_s - 0.2]) and not rec.copy_bound
+
+    async def lost() -> float:
+        raise TransferError("r: the sender died")
+
+    with pytest.raises(TransferError, match="sender died"):
+        asyncio.run(link.carry("r", 10, 1, lost))
+    s = link.stats()
+    assert (s["bytes"], s["real_copy_s"], s["num_failed"], s["in_flight"]) == (3000, pytest.approx(0.2), 1, 0)
+    with pytest.raises(ValueError, match="nbytes"):
+        asyncio.run(link.carry("r", -1, 1, remote_copy))
+
 # ---- failures leave the link consistent --------------------------------------------------------
 
 @pytest.mark.parametrize("src_ids, dst_ids, dst_dtype, match", [

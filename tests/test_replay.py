@@ -23,7 +23,8 @@ TRACE = [  # 6 requests, short outputs; one with prompt text, one long enough fo
 ]
 SYSTEM_KEYS = {"completed", "failed", "aborted", "clipped", *LATENCIES, "throughput_rps", "output_tokens_per_s",
                "goodput_rps", "resource_usage_s", "perf_per_dollar_vs_first", "stalls", "padding_tokens",
-               "kv_bytes_moved", "flips"}
+               "kv_bytes_moved", "kv_transfers", "kv_real_s", "kv_emulated_s", "kv_real_bytes_per_s", "flips",
+               "instance_failures", "recovery_s_max"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -79,6 +80,10 @@ def test_report_shape_and_sane_numbers(replayed):
     tetri, vllm = report["systems"]["tetri"], report["systems"]["vllm"]
     assert tetri["perf_per_dollar_vs_first"] == 1.0 and vllm["perf_per_dollar_vs_first"] > 0
     assert tetri["kv_bytes_moved"] > 0 and vllm["kv_bytes_moved"] == 0  # only disagg hands KV over
+    # five hand-overs: the 1-token request ends at its prefill; both times on record, the real within the emulated
+    assert tetri["kv_transfers"] == 5 and 0 < tetri["kv_real_s"] <= tetri["kv_emulated_s"]
+    assert tetri["kv_real_bytes_per_s"] > 0 and vllm["kv_real_s"] is None
+    assert (tetri["instance_failures"], tetri["recovery_s_max"], tetri["failures"]) == (0, None, [])
     assert tetri["padding_tokens"] > 0 and vllm["padding_tokens"] == 0
     assert tetri["queue_time"] is not None  # prefill instances stamp "scheduled"
 

@@ -45,7 +45,7 @@ def add_admin_routes(app: web.Application, key) -> None:
     async def list_instances(request: web.Request) -> web.Response:
         lifecycle = request.app[key].cluster.lifecycle
         return web.json_response({"object": "list", "data": lifecycle.instances_view(),
-                                  "flips": lifecycle.flip_log[-50:]})
+                                  "flips": lifecycle.flip_log[-50:], "failures": lifecycle.failure_log[-50:]})
 
     async def add(request: web.Request) -> web.Response:
         ctx = request.app[key]

@@ -51,6 +51,8 @@ class Cluster:
         self.requests: dict[str, RequestHandle] = {}
         self.log = EventLog()
         self.counts = {"finished": 0, "aborted": 0, "failed": 0}
+        self._ray_cpus: Optional[int] = None  # the Ray cluster's CPUs, once connected (backend ray)
+        self._owns_ray = False  # this cluster connected to Ray, and disconnects at stop
         self.core_share = CoreShare(cfg.device_share == "dedicated" and engine.device == "cpu", self._cores())
         self.lifecycle = Lifecycle(cfg, self.clock, self.log, self)
         self.handoff = Handoff(cfg, self.clock, self.log, self.instances, self.finish, self.lifecycle.rerun)
@@ -70,9 +72,17 @@ class Cluster:
         # loading (or fitting, the first time) a predictor takes seconds: off the loop
         await asyncio.to_thread(self.predictor.load, self.bundle.tokenizer.decode, (self.engine.model, self.bundle.path),
                                 self._prediction_gate() == "handoff")
-        roles = (["prefill"] * self.cfg.num_prefill + ["decode"] * self.cfg.num_decode
-                 if self.cfg.mode == "disagg" else ["coupled"] * self.cfg.num_coupled)
-        self.lifecycle.start(roles)
+        if self.cfg.backend != "local":
+            from aserve.engine import ray_runtime
+
+            self._owns_ray = ray_runtime.connect(self.cfg.ray_address)
+            self._ray_cpus = ray_runtime.total_cpus()
+        self.lifecycle.start(self._roles())
+        try:  # remote devices: every actor up with its model loaded before the first request
+            await asyncio.gather(*(inst.device.ready() for inst in self.instances.values()))
+        except BaseException:
+            await self.stop()
+            raise
         self.broadcast()
         self._monitor = asyncio.create_task(self._monitor_loop(), name="cluster-monitor")
         self.started = True
@@ -89,6 +99,11 @@ class Cluster:
         for inst in self.instances.values():
             await inst.stop()
         await asyncio.to_thread(self.predictor.close)
+        if self._owns_ray:
+            from aserve.engine import ray_runtime
+
+            ray_runtime.disconnect()
+            self._owns_ray = False
         self.started = False
 
     async def __aenter__(self):
@@ -105,8 +120,15 @@ class Cluster:
         return task
 
     # ---- instances ---------------------------------------------------------------------------
+    def _roles(self) -> list[str]:
+        if self.cfg.mode == "disagg":
+            return ["prefill"] * self.cfg.num_prefill + ["decode"] * self.cfg.num_decode
+        return ["coupled"] * self.cfg.num_coupled
+
     def _cores(self) -> int:
-        return self.engine.num_threads or os.cpu_count() or 1
+        """Torch threads to share between instances: ``--threads``, else every core there is (this
+        machine's, or the Ray cluster's)."""
+        return self.engine.num_threads or self._ray_cpus or os.cpu_count() or 1
 
     def threads_per_instance(self, num_instances: int) -> int:
         return max(1, self._cores() // num_instances)
@@ -117,11 +139,28 @@ class Cluster:
         inst = Instance(instance_id, role, device, self.policies, self.stops, self.clock, self)
         self.instances[instance_id] = inst
         self.count_live()
+        device.watch(lambda why: self._device_lost(inst, why))
         inst.start()
         return inst
 
     def make_device(self, instance_id: str, num_threads: int) -> Device:
-        return make_device(instance_id, self.bundle, self.engine, num_threads, self.core_share)
+        """A device of this process (a ``TorchDevice`` thread, or a ``SimDevice``), or a Ray actor
+        (``RayDevice``) that asks Ray for its share of the cluster's CPUs (the instances planned,
+        or all live plus this one), or for one GPU."""
+        if self.cfg.backend == "local":
+            return make_device(instance_id, self.bundle, self.engine, num_threads, self.core_share)
+        from aserve.engine.ray_device import RayDevice
+
+        live = sum(i.state not in ("failed", "removed") for i in self.instances.values())
+        num_cpus = self._cores() / max(len(self._roles()), live + 1)
+        return RayDevice(instance_id, self.engine, self.bundle, num_threads, num_cpus, self.cfg.lease_s,
+                         self.cfg.actor_start_timeout_s)
+
+    def _device_lost(self, inst: Instance, why: str) -> None:
+        """A remote device died on its own (idle, or mid-step): stop its loop, fail it over."""
+        if inst.task is not None:
+            inst.task.cancel()
+        self.on_failure(inst, why)
 
     def count_live(self) -> None:
         """Keep the core share's count of live instances (neither failed nor removed) true."""
@@ -281,6 +320,7 @@ class Cluster:
         req.times.setdefault("first_token", now)
         handle.token_times.append(now)
         handle.queue.put_nowait(TokenEvent(req.output_token_ids[-1], logprobs=logprobs))
+        self.lifecycle.recovered(req.request_id)
         if reason:
             self.finish(handle, reason)
 
@@ -300,6 +340,7 @@ class Cluster:
         self.counts[key] += 1
         handle.queue.put_nowait(TokenEvent(None, True, reason, error))
         self.requests.pop(req.request_id, None)
+        self.lifecycle.recovered(req.request_id)
 
     # ---- views -------------------------------------------------------------------------------
     def all_counts(self) -> dict:

@@ -74,6 +74,10 @@ class Lifecycle:
     def __init__(self, cfg: ClusterConfig, clock: Clock, log: EventLog, plane: ControlPlane):
         self.cfg, self.clock, self.log, self.plane = cfg, clock, log, plane
         self.flip_log: list[dict] = []  # every flip: instance, from, to, drain_s, flip_s, reason
+        # every failure: instance, why, time, requests it held, recovered_s (None until the last of
+        # them streams again or ends)
+        self.failure_log: list[dict] = []
+        self._recovering: dict[str, dict] = {}  # request id -> its failure's record
         self.counts = {"flips": 0, "reruns": 0, "reclaimed": 0, "instance_failures": 0}
         self.flip_policy = registry.get("flip", cfg.flip)(**self._flip_options())
         self._watcher: Optional[asyncio.Task] = None
@@ -267,14 +271,28 @@ class Lifecycle:
         self.log.log("instance_failed", inst.id, why)
         self.plane.count_live()
         self.plane.broadcast()
-        for handle in list(self.plane.requests.values()):
-            if handle.phase == "done":
-                continue
-            held_here = handle.instance_id == inst.id and handle.phase in ("prefill", "decode")
-            sent_from_here = handle.phase == "transfer" and handle.prefill_instance == inst.id
-            if held_here or sent_from_here:
-                self.rerun(handle, f"instance {inst.id} failed: {why}")
+        hit = [h for h in self.plane.requests.values() if h.phase != "done" and (
+            (h.instance_id == inst.id and h.phase in ("prefill", "decode"))  # held here
+            or (h.phase == "transfer" and h.prefill_instance == inst.id))]  # being sent from here
+        record = {"instance": inst.id, "why": why, "time": time.time(), "at": self.clock.now(),
+                  "requests": len(hit), "pending": len(hit), "recovered_s": None if hit else 0.0}
+        self.failure_log.append(record)
+        self._recovering.update((h.request.request_id, record) for h in hit)  # before a re-run can end one
+        for handle in hit:
+            self.rerun(handle, f"instance {inst.id} failed: {why}")
         # transfers towards it notice on their own (the receiver is no longer active) and retry
+
+    def recovered(self, request_id: str) -> None:
+        """A request streamed a token or ended: if a failure had hit it, it is over that one. The
+        failure's ``recovered_s`` is the time until the last request it hit did so."""
+        record = self._recovering.pop(request_id, None)
+        if record is None:
+            return
+        record["pending"] -= 1
+        if record["pending"] == 0:
+            record["recovered_s"] = self.clock.now() - record["at"]
+            self.log.log("recovered", record["instance"], f"the {record['requests']} requests it held stream "
+                                                          f"again (or ended) {record['recovered_s'] * 1e3:.0f} ms on")
 
     def rerun(self, handle: RequestHandle, why: str) -> None:
         """Start the request again from its prompt on a healthy instance (its KV is gone). The

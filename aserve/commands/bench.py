@@ -1,9 +1,9 @@
-"""``aserve bench engine|swap-int8|interference|capacity``: the benchmarks' command lines."""
+"""``aserve bench engine|swap-int8|interference|ray|capacity``: the benchmarks' command lines."""
 from __future__ import annotations
 
 import argparse
 
-from aserve.commands.common import add_cluster_args, add_engine_args, bundle_engine
+from aserve.commands.common import add_cluster_args, add_engine_args, bundle_engine, engine_config
 from aserve.commands.replay import add_fit_args, build_specs, compare_items, fit_options
 
 
@@ -29,26 +29,49 @@ def register(subparsers) -> None:
     bi.add_argument("--json", default=None, help="write the results here")
     add_engine_args(bi)
     bi.set_defaults(func=cmd_bench_interference)
+    br = bsub.add_parser("ray", help="per-step overhead and real KV hand-over throughput: Ray actors vs in-process")
+    br.add_argument("--address", default=None, help="a running Ray cluster (default: start a local Ray)")
+    br.add_argument("--decode-batch", type=int, default=16, help="rows of the batched decode step")
+    br.add_argument("--chunk", type=int, default=128, help="tokens of the timed prompt chunk")
+    br.add_argument("--kv-blocks", default="4,32,128", help="hand-over sizes, in KV blocks, comma-separated")
+    br.add_argument("--rounds", type=int, default=5, help="alternating rounds of every figure")
+    br.add_argument("--reps", type=int, default=10, help="timed steps per figure per round")
+    br.add_argument("--json", default=None, help="write the results here")
+    add_engine_args(br)
+    br.set_defaults(func=cmd_bench_ray)
     _register_capacity(bsub)
 
 
 def cmd_bench_engine(a: argparse.Namespace) -> int:
     from aserve.bench.engine import run_engine_bench
 
-    return run_engine_bench(engine_config(a), a.json, quick=a.quick)
+    return run_engine_bench(engine_config(a, derive=False), a.json, quick=a.quick)
 
 
 def cmd_bench_swap(a: argparse.Namespace) -> int:
     from aserve.bench.swap import run_swap_bench
 
-    run_swap_bench(engine_config(a), a.num_prompts, a.max_tokens)
+    run_swap_bench(engine_config(a, derive=False), a.num_prompts, a.max_tokens)
     return 0
 
 
 def cmd_bench_interference(a: argparse.Namespace) -> int:
     from aserve.bench.interference import run_interference_bench
 
-    run_interference_bench(engine_config(a), a.light, a.heavy, a.decode_batch, a.heavy_context, a.reps, a.json)
+    run_interference_bench(engine_config(a, derive=False), a.light, a.heavy, a.decode_batch, a.heavy_context, a.reps, a.json)
+    return 0
+
+
+def cmd_bench_ray(a: argparse.Namespace) -> int:
+    from aserve.bench.ray_overhead import run_ray_bench
+
+    try:
+        sizes = tuple(int(x) for x in a.kv_blocks.split(","))
+    except ValueError:
+        raise ValueError(f"--kv-blocks: comma-separated block counts, got {a.kv_blocks!r}") from None
+    if min(sizes) < 1 or min(a.decode_batch, a.chunk, a.rounds, a.reps) < 1:
+        raise ValueError("--kv-blocks, --decode-batch, --chunk, --rounds and --reps must be >= 1")
+    run_ray_bench(engine_config(a, derive=False), a.address, a.decode_batch, a.chunk, sizes, a.rounds, a.reps, a.json)
     return 0
 
 

@@ -98,6 +98,11 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
     g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds before a KV transfer is retried")
     g.add_argument("--lease", type=float, default=60.0,
                    help="seconds before decode blocks reserved for KV that never came are freed")
+    g.add_argument("--cluster", dest="backend", default="local", metavar="local|ray[:ADDRESS]",
+                   help="where instances run: local (threads of this process) | ray (one Ray actor each, a local Ray "
+                        "sized to this machine) | ray:ADDRESS (join the Ray cluster at ADDRESS, or ray:auto; docs/RAY.md)")
+    g.add_argument("--actor-start-timeout", type=float, default=300.0,
+                   help="--cluster ray: seconds an instance's actor may take to start and load the model")
     g.add_argument("--device-share", default="shared",
                    help="shared: instances share the CPU's cores | dedicated: emulate one device per instance "
                         "(cores/N of a core each, an idle instance's share is lost), as on GPUs")
@@ -166,19 +171,22 @@ def cluster_config(a: argparse.Namespace):
                          emulate_kv_bytes_per_token=a.emulate_kv_bytes_per_token,
                          monitor_interval_s=a.monitor_interval, flip=a.flip, flip_window_s=a.flip_window,
                          flip_idle_s=a.flip_idle, on_failure=a.on_failure, transfer_timeout_s=a.transfer_timeout,
-                         lease_s=a.lease, device_share=a.device_share, seed=a.seed)
+                         lease_s=a.lease, device_share=a.device_share, backend=a.backend,
+                         actor_start_timeout_s=a.actor_start_timeout, seed=a.seed)
 
 
-def engine_config(a: argparse.Namespace, context: Optional[int] = None):
+def engine_config(a: argparse.Namespace, context: Optional[int] = None, derive: bool = True):
     """``context``: the longest prompt + output the workload reaches (replays know it), which the
-    derived token budget must hold its SLO at; default the model's context window."""
+    derived token budget must hold its SLO at; default the model's context window. ``derive=False``
+    (the engine benchmarks, which time fixed shapes) leaves an unset budget at 512 unmeasured."""
     from aserve.config import EngineConfig
+    from aserve.engine.profile_store import DEFAULT_TOKEN_BUDGET
 
     if a.tbt_slo is not None and not a.tbt_slo > 0:
         raise ValueError(f"--tbt-slo must be > 0 seconds, got {a.tbt_slo}")
     budget = a.max_num_batched_tokens
     if budget is None:
-        budget = default_token_budget(a, context)
+        budget = default_token_budget(a, context) if derive else DEFAULT_TOKEN_BUDGET
     return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention, block_size=a.block_size,
                         kv_cache_gb=a.kv_cache_gb, max_num_batched_tokens=budget,
                         max_num_seqs=a.max_num_seqs, batching=a.batching, swap_gb=a.swap_gb,

@@ -28,6 +28,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     sp = sampling_from(a)
     if a.prompt is None and not a.chat:
         raise ValueError("give a prompt, or --chat for an interactive chat")
+    if a.mode == "offline" and a.backend != "local":
+        raise ValueError(f"--cluster {a.backend} runs instances as Ray actors: give --mode disagg or coupled "
+                         "(--mode offline runs no cluster)")
     if a.mode != "offline":
         if a.prompt is None:
             raise ValueError("--chat without a prompt is interactive: use --mode offline")

@@ -202,7 +202,7 @@ def _print_table(report: dict) -> None:
 def cmd_label(a: argparse.Namespace) -> int:
     from aserve.predict.label import label_prompts
 
-    summary = label_prompts(a.prompts, a.out, engine_config(a), temperature=a.temperature, top_p=a.top_p,
+    summary = label_prompts(a.prompts, a.out, engine_config(a, derive=False), temperature=a.temperature, top_p=a.top_p,
                             samples=a.samples, batch_size=a.batch_size, limit=a.limit, max_tokens=a.max_tokens,
                             split=a.split)
     print(json.dumps(summary))

@@ -6,8 +6,8 @@
                             │   the device's own executor thread (CPU cores, or a CUDA device)
                             ├ a simulated device: advance a virtual clock by a cost model's step
                             │   time, no tensors; KV capacity from the profile's memory
-                            └ a remote device: the same plan sent to a process that owns the
-                                hardware (a Ray actor), the output sent back once a step
+                            └ RayDevice (ray_device.py): the same plan sent to a Ray actor that
+                                owns the hardware and runs a TorchDevice, the output back once a step
 
 A device knows its KV capacity (``num_blocks`` of ``block_size`` tokens, and host swap blocks
 once asked for), runs one plan at a time, and moves KV blocks to another device of its kind
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from scheduling.step import StepOutput, StepPlan
 
@@ -78,6 +78,14 @@ class Device(ABC):
     @abstractmethod
     async def _execute(self, plan: StepPlan) -> StepOutput:
         ...
+
+    async def ready(self) -> None:
+        """Wait until the device can step. A local one can at once; a remote one once its
+        process is up with the pool it promised (raises ``DeviceFault`` if it never is)."""
+
+    def watch(self, on_lost: Callable[[str], None]) -> None:
+        """A device that can die on its own (a remote process) calls ``on_lost(why)`` on the
+        event loop when it does, idle or not; a local one never does."""
 
     @abstractmethod
     def add_swap_space(self) -> int:

@@ -29,7 +29,8 @@ from aserve.config import EngineConfig
 from aserve.engine.bundle import ModelBundle
 from aserve.engine.device import CoreShare, Device
 from aserve.engine.runner import ModelRunner
-from model.kv_cache import KVCache, host_swap_space, num_blocks_for_budget
+from model.config import ModelArgs
+from model.kv_cache import KVCache, host_swap_space, num_blocks_for_budget, num_swap_blocks
 from scheduling.block_manager import BlockManager
 from scheduling.step import StepOutput, StepPlan
 
@@ -41,10 +42,21 @@ def _init_thread(num_threads: int, device: str) -> None:
         torch.cuda.set_device(torch.device(device))
 
 
+def pool_num_blocks(args: ModelArgs, dtype: torch.dtype, cfg: EngineConfig) -> int:
+    """KV blocks of one device's pool (``cfg.kv_cache_gb``): a device in another process is sized
+    by the same rule, so the driver knows its capacity before the process is up."""
+    return num_blocks_for_budget(args, cfg.block_size, dtype, int(cfg.kv_cache_gb * 2**30))
+
+
+def swap_num_blocks(args: ModelArgs, dtype: torch.dtype, cfg: EngineConfig) -> int:
+    """Host swap blocks of one device (``cfg.swap_gb`` in ``cfg.swap_dtype``), by the same rule."""
+    return num_swap_blocks(args, cfg.block_size, dtype, max(1, int(cfg.swap_gb * 2**30)), cfg.swap_dtype)
+
+
 def build_runner(bundle: ModelBundle, cfg: EngineConfig) -> tuple[ModelRunner, BlockManager]:
     """A KV pool sized by ``cfg.kv_cache_gb``, a runner over it and a block manager of its blocks
     (benchmarks step the runner directly)."""
-    num_blocks = num_blocks_for_budget(bundle.args, cfg.block_size, bundle.dtype, int(cfg.kv_cache_gb * 2**30))
+    num_blocks = pool_num_blocks(bundle.args, bundle.dtype, cfg)
     kv = KVCache(bundle.args, num_blocks, cfg.block_size, bundle.dtype, cfg.device)
     return ModelRunner(bundle.model, kv, cfg.device, cfg.seed), BlockManager(num_blocks, cfg.block_size)
 
@@ -104,11 +116,15 @@ class TorchDevice(Device):
         ``netemu.KVLink``) waits out the emulated link time on top of it."""
         if not isinstance(dst, TorchDevice):
             raise TypeError(f"a torch device sends KV to a torch device, not {type(dst).__name__}")
+        return await link.write(request_id, self.kv.pool, list(block_ids), dst.kv.pool, list(dst_block_ids),
+                                num_tokens=num_tokens, executor=self.copier())
+
+    def copier(self) -> ThreadPoolExecutor:
+        """The device's copy thread (its copy engine), made at the first hand-over."""
         if self._copier is None:
             self._copier = ThreadPoolExecutor(1, thread_name_prefix=f"aserve-{self.name}-kv",
                                               initializer=_init_thread, initargs=(1, self.cfg.device))
-        return await link.write(request_id, self.kv.pool, list(block_ids), dst.kv.pool, list(dst_block_ids),
-                                num_tokens=num_tokens, executor=self._copier)
+        return self._copier
 
     async def close(self) -> None:
         """Wait for the step and copy in flight (off the loop), then stop the device's threads."""

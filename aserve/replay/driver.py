@@ -195,8 +195,13 @@ def _counters(cluster) -> dict:
             for iid, i in cluster.instances.items()}
 
 
-def _kv_bytes(cluster) -> int:
-    return int(sum(link.stats().get("bytes", 0) for link in cluster.handoff.links.values()))
+KV_TOTALS = ("bytes", "num_done", "real_copy_s", "emulated_s")
+
+
+def _kv_totals(cluster) -> dict:
+    """KV hand-overs so far, over every link: bytes, transfers, real copy and emulated seconds."""
+    stats = [link.stats() for link in cluster.handoff.links.values()]
+    return {k: sum(s.get(k, 0) for s in stats) for k in KV_TOTALS}
 
 
 def _predictor_delta(before: dict, after: dict, latency: LatencyHistogram, latency_count_before: int) -> dict:
@@ -225,7 +230,7 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
         free0 = cluster.free_blocks()
         if warmup:
             await _warm_up(cluster, len(bundle.tokenizer))
-        c0, kv0, base = _counters(cluster), _kv_bytes(cluster), cluster.clock.now()
+        c0, kv0, base = _counters(cluster), _kv_totals(cluster), cluster.clock.now()
         pred0 = cluster.predictor.snapshot()
         lat0 = pred0["latency"]["count"]
         sampler = _Sampler(cluster, base, {k: v[0] for k, v in c0.items()})
@@ -248,13 +253,19 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
                                          tuple(sampler.samples.get(iid, ())))
                           for iid, inst in cluster.instances.items())
         flips = max(sampler.flips(), cluster.lifecycle.counts["flips"])
-        return SystemRun(spec.name, tuple(records), instances, _kv_bytes(cluster) - kv0, flips, sampler.max_lag,
+        kv = {k: v - kv0[k] for k, v in _kv_totals(cluster).items()}
+        return SystemRun(spec.name, tuple(records), instances, int(kv["bytes"]), flips, sampler.max_lag,
                          wall_s=wall_s,
                          config={"engine": asdict(spec.engine), "cluster": asdict(spec.cluster)},
-                         flip_log=tuple(cluster.lifecycle.flip_log), predictor=_predictor_delta(pred0, cluster.predictor.snapshot(),
+                         flip_log=tuple(cluster.lifecycle.flip_log), kv_transfer=kv,
+                         failures=tuple(_failure(f) for f in cluster.lifecycle.failure_log), predictor=_predictor_delta(pred0, cluster.predictor.snapshot(),
                                                                     cluster.predictor.latency, lat0))
     finally:
         await cluster.stop()
+
+
+def _failure(record: dict) -> dict:
+    return {k: record[k] for k in ("instance", "why", "requests", "recovered_s")}
 
 
 async def replay_systems(specs: Sequence[SystemSpec], trace: Trace, prompts: Sequence[list[int]], bundle,

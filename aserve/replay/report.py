@@ -83,6 +83,10 @@ class SystemRun:
     max_loop_lag_s: Optional[float] = None
     config: dict = field(default_factory=dict)
     flip_log: tuple = ()  # each flip: instance, from, to, drain_s, flip_s (the switch alone), reason
+    # KV hand-overs: bytes, num_done, real_copy_s (the real copy: threads, or Ray between processes)
+    # and emulated_s (what the link model made them last), summed over the replay
+    kv_transfer: Optional[dict] = None
+    failures: tuple = ()  # each instance failure: instance, why, requests it held, recovered_s
     predictor: Optional[dict] = None  # the online length predictor over the trace's requests (not warm-up)
     wall_s: Optional[float] = None  # host seconds the replay took (a simulated one runs faster than its clock)
     vllm: dict = field(default_factory=dict)  # over HTTP: vllm bench serve's fields (aserve/replay/vllm_names.py)
@@ -160,7 +164,10 @@ def summarize(run: SystemRun, slo: Optional[dict] = None, clipped: int = 0) -> d
            "stalls": {"count": st.count, "seconds": float(st.total_s), "longest_s": st.longest_s,
                       "threshold_s": st.threshold_s, "num_gaps": st.num_gaps},
            "padding_tokens": sum(i.pad_tokens for i in inst) if inst else None,
-           "kv_bytes_moved": run.kv_bytes_moved, "flips": run.flips,
+           "kv_bytes_moved": run.kv_bytes_moved, **_kv_summary(run.kv_transfer), "flips": run.flips,
+           "failures": list(run.failures), "instance_failures": len(run.failures) if inst else None,
+           "recovery_s_max": max((f["recovered_s"] for f in run.failures if f["recovered_s"] is not None),
+                                 default=None),
            "flip_s_max": max((f["flip_s"] for f in run.flip_log), default=None),
            "drain_s_max": max((f["drain_s"] for f in run.flip_log), default=None),
            "flip_log": [{k: f[k] for k in ("instance", "from", "to", "drain_s", "flip_s", "reason")}
@@ -183,6 +190,16 @@ def summarize(run: SystemRun, slo: Optional[dict] = None, clipped: int = 0) -> d
 
 def _simulated(run: SystemRun) -> bool:
     return str(run.config.get("engine", {}).get("device", "")).startswith("sim:")
+
+
+def _kv_summary(kv: Optional[dict]) -> dict:
+    """Real and emulated transfer time of the hand-overs, and the real copy's throughput."""
+    if not kv or not kv.get("num_done"):
+        return {"kv_transfers": (kv or {}).get("num_done"), "kv_real_s": None, "kv_emulated_s": None,
+                "kv_real_bytes_per_s": None}
+    real = kv["real_copy_s"]
+    return {"kv_transfers": int(kv["num_done"]), "kv_real_s": real, "kv_emulated_s": kv["emulated_s"],
+            "kv_real_bytes_per_s": kv["bytes"] / real if real > 0 else None}
 
 
 def build_report(trace_summary: dict, runs: Sequence[SystemRun], slo: Optional[dict] = None,
@@ -242,9 +259,14 @@ _LAT_ROWS = (("TTFT", "ttft"), ("TPOT", "tpot"), ("token gap", "token_gap"), ("J
 _SCALAR_ROWS = (("throughput req/s", "throughput_rps", "{:.3f}"), ("output tokens/s", "output_tokens_per_s", "{:.1f}"),
                 ("goodput req/s", "goodput_rps", "{:.3f}"), ("resource usage s", "resource_usage_s", "{:.2f}"),
                 ("perf/$ vs first", "perf_per_dollar_vs_first", "{:.2f}"), ("padding tokens", "padding_tokens", "{:d}"),
-                ("KV bytes moved", "kv_bytes_moved", "{:,d}"), ("flips", "flips", "{:d}"),
+                ("KV bytes moved", "kv_bytes_moved", "{:,d}"),
+                ("KV transfer s, real (sum)", "kv_real_s", "{:.3f}"),
+                ("KV transfer s, emulated (sum)", "kv_emulated_s", "{:.3f}"),
+                ("KV real copy bytes/s", "kv_real_bytes_per_s", "{:,.0f}"), ("flips", "flips", "{:d}"),
                 ("flip s (max, no drain)", "flip_s_max", "{:.4f}"), ("drain s (max)", "drain_s_max", "{:.2f}"),
                 ("predictor accuracy (online)", "predictor_accuracy", "{:.1%}"),
+                ("instance failures", "instance_failures", "{:d}"),
+                ("recovery s (max)", "recovery_s_max", "{:.3f}"),
                 ("preemptions", "preemptions", "{:d}"), ("makespan s", "makespan_s", "{:.2f}"),
                 ("simulated s per wall s", "simulated_s_per_wall_s", "{:.1f}"))
 

@@ -1,0 +1,143 @@
+"""``aserve bench ray``: what running each instance in a Ray actor costs, against threads of one process.
+
+Two devices of each kind over the same model and config, side by side in one run, rounds
+alternating between the kinds so both see the same machine minutes:
+
+- **per-step overhead**: the same plans (one decode row, a decode batch, a prompt chunk) timed
+  from the driver's side, ``await device.execute(plan)``; in-process that is the executor thread's
+  round trip, through Ray the plan's and output's trip to the actor and back. The overhead is
+  the Ray step's median minus the in-process step's median (and, per Ray step, its round trip
+  beyond the actor's own busy time);
+- **KV hand-over throughput**: ``send_kv`` of n blocks from device a to device b over a link so
+  fast its emulated time is nil, so the record's real copy time is the transfer alone: in-process
+  one ``index_select``/``index_copy_`` on the copy thread, through Ray an export into the object
+  store, a fetch and a copy into the other actor's pool. Real bytes per second, median of rounds.
+
+The pools hold zeros: a step's cost does not depend on the values.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from typing import Callable, Optional, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from aserve.config import EngineConfig
+from aserve.engine.bundle import ModelBundle
+from aserve.engine.device import Device
+from aserve.engine.torch_device import TorchDevice
+from model.kv_cache import kv_bytes_per_block
+from netemu import KVLink, LinkProfile
+from scheduling.clock import MonotonicClock
+from scheduling.step import GREEDY, SeqStep, StepPlan
+
+NIL_LINK = LinkProfile("nil", 1e18, 0.0)  # emulated time ~0: the record's time is the real copy's
+CONTEXT = 128  # tokens of context of every decode row
+
+
+def plans(block_size: int, decode_batch: int, chunk: int) -> dict[str, StepPlan]:
+    """The timed steps, each over its own blocks (ids from 0 up)."""
+    per_row = -(-(CONTEXT + 1) // block_size)
+
+    def decode_row(i: int) -> SeqStep:
+        return SeqStep(f"d{i}", (7,), CONTEXT, tuple(range(i * per_row, (i + 1) * per_row)), GREEDY)
+
+    prompt = SeqStep("p", tuple(range(100, 100 + chunk)), 0, tuple(range(-(-chunk // block_size))), GREEDY)
+    return {"decode x1": StepPlan((decode_row(0),)),
+            f"decode x{decode_batch}": StepPlan(tuple(decode_row(i) for i in range(decode_batch))),
+            f"prefill {chunk}": StepPlan((prompt,))}
+
+
+async def _time_steps(device: Device, plan: StepPlan, reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        await device.execute(plan)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+async def _time_send(src: Device, dst: Device, n: int, link: KVLink) -> float:
+    ids = list(range(n))
+    record = await src.send_kv(f"kv{n}", ids, dst, ids, link, num_tokens=n * src.block_size)
+    return record.real_copy_s
+
+
+async def measure(make: dict[str, Callable[[str], Device]], step_plans: dict[str, StepPlan],
+                  kv_blocks: Sequence[int], block_bytes: int, rounds: int, reps: int) -> dict:
+    """Per kind: every plan's step times and every size's real copy times, rounds alternating."""
+    devices = {kind: (mk(f"{kind}-a"), mk(f"{kind}-b")) for kind, mk in make.items()}
+    await asyncio.gather(*(d.ready() for pair in devices.values() for d in pair))
+    links = {kind: KVLink(NIL_LINK, MonotonicClock()) for kind in make}
+    steps = {kind: {name: [] for name in step_plans} for kind in make}
+    copies = {kind: {n: [] for n in kv_blocks} for kind in make}
+    try:
+        for kind, (a, b) in devices.items():  # warm-up: first steps and copies pay one-off costs
+            for plan in step_plans.values():
+                await _time_steps(a, plan, 2)
+            await _time_send(a, b, kv_blocks[0], links[kind])
+        for _ in range(rounds):
+            for kind, (a, b) in devices.items():
+                for name, plan in step_plans.items():
+                    steps[kind][name] += await _time_steps(a, plan, reps)
+                for n in kv_blocks:
+                    copies[kind][n].append(await _time_send(a, b, n, links[kind]))
+        extra = {kind: getattr(a, "overhead_s", 0.0) / max(1, getattr(a, "num_steps", 0))
+                 for kind, (a, _) in devices.items()}
+    finally:
+        for pair in devices.values():
+            for d in pair:
+                await d.close()
+    return {"steps_s": {k: {name: statistics.median(v) for name, v in s.items()} for k, s in steps.items()},
+            "round_trip_beyond_busy_s": extra,
+            "kv_bytes_per_s": {k: {n: n * block_bytes / statistics.median(v) for n, v in c.items()}
+                               for k, c in copies.items()},
+            "block_bytes": block_bytes}
+
+
+def run_ray_bench(engine: EngineConfig, address: Optional[str], decode_batch: int = 16, chunk: int = 128,
+                  kv_blocks: Sequence[int] = (4, 32, 128), rounds: int = 5, reps: int = 10,
+                  json_path: Optional[str] = None) -> dict:
+    from aserve.engine import ray_runtime
+    from aserve.engine.ray_device import RayDevice
+
+    bundle = ModelBundle.load(engine)
+    owned = ray_runtime.connect(address)
+    threads = max(1, (engine.num_threads or ray_runtime.total_cpus()) // 2)
+    make = {"in-process": lambda name: TorchDevice(name, bundle, engine, threads),
+            "ray": lambda name: RayDevice(name, engine, bundle, threads, threads, lease_s=60, start_timeout_s=600)}
+    try:
+        block_bytes = kv_bytes_per_block(bundle.args, engine.block_size, bundle.dtype)
+        result = asyncio.run(measure(make, plans(engine.block_size, decode_batch, chunk), kv_blocks, block_bytes,
+                                     rounds, reps))
+    finally:
+        if owned:
+            ray_runtime.disconnect()
+    result.update(model=engine.model, dtype=str(bundle.dtype), threads_per_device=threads, rounds=rounds, reps=reps,
+                  date=time.strftime("%Y-%m-%d"))
+    _print(result, Console())
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return result
+
+
+def _print(r: dict, console: Console) -> None:
+    local, ray = r["steps_s"]["in-process"], r["steps_s"]["ray"]
+    t = Table(title=f"per step, median ms ({r['threads_per_device']} threads a device)")
+    for col in ("step", "in-process", "ray", "overhead"):
+        t.add_column(col, justify="right")
+    for name in local:
+        t.add_row(name, f"{local[name] * 1e3:.2f}", f"{ray[name] * 1e3:.2f}", f"{(ray[name] - local[name]) * 1e3:+.2f}")
+    console.print(t)
+    console.print(f"ray round trip beyond the actor's busy time: {r['round_trip_beyond_busy_s']['ray'] * 1e3:.2f} ms a step")
+    k = Table(title=f"KV hand-over, real copy (blocks of {r['block_bytes']:,d} bytes)")
+    for col in ("blocks", "bytes", "in-process GB/s", "ray GB/s"):
+        k.add_column(col, justify="right")
+    for n, local_bps in r["kv_bytes_per_s"]["in-process"].items():
+        k.add_row(str(n), f"{n * r['block_bytes']:,d}", f"{local_bps / 1e9:.2f}", f"{r['kv_bytes_per_s']['ray'][n] / 1e9:.2f}")
+    console.print(k)

@@ -1,0 +1,199 @@
+"""What runs inside one instance's Ray actor: a ``TorchDevice`` and the KV it has exported.
+
+    driver (RayDevice) ──execute(plan)──► DeviceHost.execute ──► TorchDevice (its executor thread)
+                       ◄──(StepOutput, CPU s)── one round trip a step: every token of the step in it
+
+    KV hand-over, prefill actor A ──► decode actor B (the driver only passes references):
+      A.export_kv(rid, blocks)     gather the blocks, put them in Ray's object store (A owns the
+                                   object), pin it: exports[rid] = (ref, deadline = now + lease)
+      B.import_kv(rid, [ref], blocks, A)   fetch the bytes (across hosts: Ray moves them), copy
+                                   them into B's pool, then tell A: A.release(rid) = confirmed
+      no confirmation within the lease (B died, the driver gave up): A's sweeper drops the pin
+
+The class is plain Python: ``RayDevice`` wraps it with ``ray.remote`` as an asyncio actor, so a
+step, an export and an import interleave at their awaits (the forward on the device's step
+thread, the copies on its copy thread, as in one process); tests drive it without Ray. Blocks
+a step and a copy touch never overlap: the driver's block managers decide both (the thread rule
+of one process, kept across two).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from aserve.config import EngineConfig
+from aserve.engine.bundle import ModelBundle
+from aserve.engine.torch_device import TorchDevice
+from scheduling.clock import Clock, MonotonicClock
+from scheduling.step import StepOutput, StepPlan
+
+SWEEP_MAX_S = 1.0  # the sweeper looks at the exports at least this often
+
+
+@dataclass
+class Export:
+    """KV blocks of one request, pinned in the object store until confirmed or expired."""
+
+    ref: Any  # the object store's reference (whatever ``put`` returned)
+    nbytes: int
+    deadline: float
+
+
+def _as_bytes(blocks: torch.Tensor) -> np.ndarray:
+    """A contiguous block tensor as flat uint8 numpy: the object store keeps numpy without
+    pickling it and hands it back zero-copy (bf16 has no numpy type, bytes do)."""
+    return blocks.contiguous().view(torch.uint8).reshape(-1).numpy()
+
+
+def _from_bytes(data: np.ndarray, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """The inverse view, no copy. The object store's buffer is read-only; we only read it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
+        flat = torch.from_numpy(data)
+    return flat.view(dtype).view(*shape)
+
+
+class DeviceHost:
+    """One instance's device in its own process. ``put`` stores an object and returns its
+    reference (``ray.put`` in an actor); ``get`` awaits one (awaiting a Ray ``ObjectRef``)."""
+
+    def __init__(self, name: str, engine: EngineConfig, num_threads: int, lease_s: float,
+                 bundle: Optional[ModelBundle] = None, put: Optional[Callable[[Any], Any]] = None,
+                 get: Optional[Callable[[Any], Any]] = None, clock: Optional[Clock] = None):
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        self.name, self.lease_s = name, lease_s
+        self.device = TorchDevice(name, bundle or ModelBundle.load(engine), engine, num_threads)
+        self.clock = clock or MonotonicClock()
+        self._put, self._get = put or _ray_put, get or _await
+        self.exports: dict[str, Export] = {}
+        self.counts = {"exported": 0, "confirmed": 0, "expired": 0, "imported": 0}
+        self._sweeper: Optional[asyncio.Task] = None
+
+    def info(self) -> dict:
+        """What the driver checks once the actor is up: the pool it promised, where it runs."""
+        pool = self.device.kv.pool
+        return {"num_blocks": self.device.num_blocks, "block_size": self.device.block_size,
+                "pool_shape": tuple(pool.shape), "dtype": pool.dtype, "device": self.device.kind,
+                "node": _node_address(), "pid": os.getpid()}
+
+    async def execute(self, plan: StepPlan) -> tuple[StepOutput, float]:
+        """One step; the CPU seconds it took ride along (the driver's device keeps the sum)."""
+        self._sweep_soon()
+        cpu0 = self.device.cpu_s
+        out = await self.device.execute(plan)
+        return out, self.device.cpu_s - cpu0
+
+    def add_swap_space(self) -> int:
+        return self.device.add_swap_space()
+
+    # ---- the hand-over ------------------------------------------------------------------------
+    async def export_kv(self, request_id: str, block_ids: Sequence[int]) -> list:
+        """Put the request's blocks in the object store, pinned for ``lease_s``; returns the
+        reference in a list (so Ray passes the reference on instead of the bytes)."""
+        self._sweep_soon()
+        if request_id in self.exports:  # a retry: the earlier export is stale
+            self.release(request_id)
+        ids = list(block_ids)
+
+        def gather() -> tuple[Any, int]:
+            data = _as_bytes(self.device.kv.blocks_to(ids, "cpu"))
+            return self._put(data), data.nbytes
+
+        ref, nbytes = await asyncio.get_running_loop().run_in_executor(self.device.copier(), gather)
+        self.exports[request_id] = Export(ref, nbytes, self.clock.now() + self.lease_s)
+        self.counts["exported"] += 1
+        return [ref]
+
+    async def import_kv(self, request_id: str, refs: list, block_ids: Sequence[int], sender=None) -> int:
+        """Copy exported blocks into ``block_ids`` of this pool, then confirm to ``sender`` (the
+        exporting actor's handle, or a ``DeviceHost`` in tests). Returns the bytes copied."""
+        self._sweep_soon()
+        ids = list(block_ids)
+        data = await self._get(refs[0])
+        pool = self.device.kv.pool
+        shape = (*pool.shape[:2], len(ids), *pool.shape[3:])
+        want = len(ids) * self.device.kv.block_bytes
+        if data.nbytes != want:
+            raise ValueError(f"request {request_id!r}: {data.nbytes} bytes exported for {len(ids)} blocks "
+                             f"of {self.device.kv.block_bytes} bytes here")
+        blocks = _from_bytes(data, pool.dtype, shape)
+        await asyncio.get_running_loop().run_in_executor(self.device.copier(), self.device.kv.blocks_from, ids, blocks)
+        self.counts["imported"] += 1
+        if sender is not None:
+            _confirm(sender, request_id)
+        return want
+
+    def release(self, request_id: str) -> bool:
+        """The receiver has the blocks (or the driver gave up on the transfer): unpin them."""
+        export = self.exports.pop(request_id, None)
+        if export is not None:
+            self.counts["confirmed"] += 1
+        return export is not None
+
+    def expire(self) -> list[str]:
+        """Unpin every export whose lease ran out; their request ids."""
+        now = self.clock.now()
+        gone = [rid for rid, e in self.exports.items() if e.deadline <= now]
+        for rid in gone:
+            del self.exports[rid]
+        self.counts["expired"] += len(gone)
+        return gone
+
+    def held(self) -> dict:
+        """Exports still pinned (request id -> bytes) and the counters, for tests and views."""
+        return {"exports": {rid: e.nbytes for rid, e in self.exports.items()}, **self.counts}
+
+    async def watch(self) -> None:
+        """Never returns: the driver awaits it to learn at once when this process dies."""
+        await asyncio.Event().wait()
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self.exports.clear()
+        await self.device.close()
+
+    # ---- the lease sweeper ----------------------------------------------------------------------
+    def _sweep_soon(self) -> None:
+        """Start the sweeper on the actor's own loop (there is none yet in ``__init__``)."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.lease_s / 4, SWEEP_MAX_S))
+            self.expire()
+
+
+def _ray_put(value: Any) -> Any:
+    import ray
+
+    return ray.put(value)
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
+
+
+def _confirm(sender, request_id: str) -> None:
+    """Tell the exporter its blocks landed: a Ray actor handle gets a call it need not answer."""
+    if isinstance(sender, DeviceHost):
+        sender.release(request_id)
+    else:
+        sender.release.remote(request_id)
+
+
+def _node_address() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray (tests): this host
+        return "local"

@@ -1,0 +1,209 @@
+"""A device in another process: one Ray actor per instance, the step loop stays in the driver.
+
+    driver process (one event loop)                       Ray actor (any host of the cluster)
+    Instance: plan = scheduler.schedule()
+              out = await RayDevice.execute(plan) ──plan──► DeviceHost.execute: TorchDevice step
+                                                  ◄─(StepOutput, CPU s)─ (tokens of the whole step)
+              events = scheduler.update(plan, out)
+    Handoff:  src.send_kv(..., dst, link) ── A.export_kv ─► object store ─► B.import_kv ─► A.release
+              link.carry: the emulated link time around the real (Ray) transfer time
+
+Why the loop stays here: the schedulers, the request table, dispatch, the predictor and flips
+read and write each instance's blocks and queues every step, on one thread (the thread rule);
+splitting them across processes would make every one of those reads a remote call. What a step
+needs crosses once: the immutable plan out, the output back, so tokens come back batched a step
+at a time by construction (as vLLM's Ray executor sends ``execute_model`` to its workers).
+
+Capacity is known before the actor is up: the actor's pool is sized by the same rule
+(``pool_num_blocks``) from the same config and model, and ``ready`` checks it. A dead actor
+(killed, its host gone) fails the step in flight, or is seen at once by ``watch``; either way
+the instance goes through the failed-instance path (aserve/cluster/lifecycle.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import ray
+import torch
+from ray.exceptions import RayError
+
+from aserve.config import EngineConfig
+from aserve.engine.bundle import ModelBundle
+from aserve.engine.device import Device, DeviceFault
+from aserve.engine.device_host import DeviceHost
+from aserve.engine.torch_device import pool_num_blocks, swap_num_blocks
+from netemu.transfer import TransferError, block_nbytes, check_blocks
+from scheduling.step import StepOutput, StepPlan
+
+RemoteHost = ray.remote(DeviceHost)  # an asyncio actor: its methods are coroutines
+CODE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding aserve/, model/, ...
+CLOSE_WAIT_S = 30.0  # how long close waits for a live actor's step in flight
+
+
+def actor_options(engine: EngineConfig, num_cpus: float) -> dict:
+    """Ray resources of one instance's actor: its share of the CPUs, or one GPU. The actors
+    import this same code: its folder goes first on their ``PYTHONPATH`` (hosts that lack the
+    folder use the aserve they have installed, which must be the same version)."""
+    gpus = 0 if engine.device == "cpu" else 1
+    return {"num_cpus": num_cpus if not gpus else 1, "num_gpus": gpus,
+            "runtime_env": {"env_vars": {"PYTHONPATH": CODE_ROOT}}}
+
+
+class RayDevice(Device):
+    """The driver's side of one instance's actor. ``bundle`` gives the model's shape (the pool's
+    size and block layout); the actor loads the weights itself, on its own host."""
+
+    def __init__(self, name: str, engine: EngineConfig, bundle: ModelBundle, num_threads: int, num_cpus: float,
+                 lease_s: float, start_timeout_s: float):
+        super().__init__()
+        self.name, self.cfg, self.start_timeout_s = name, engine, start_timeout_s
+        self.block_size = engine.block_size
+        self.num_blocks = pool_num_blocks(bundle.args, bundle.dtype, engine)
+        self._args, self._dtype = bundle.args, bundle.dtype
+        a = bundle.args  # the pool's shape, for checking hand-overs here without the tensors
+        self.pool = torch.empty((a.num_layers, 2, self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim),
+                                dtype=bundle.dtype, device="meta")
+        self.kind = f"ray:{engine.device}"
+        self.options = actor_options(engine, num_cpus)
+        self.actor = RemoteHost.options(**self.options).remote(name, engine, num_threads, lease_s)
+        self._info = self.actor.info.remote()
+        self._ready: Optional[asyncio.Future] = None
+        self._watcher: Optional[asyncio.Task] = None
+        self._closing = False
+        self._swap_blocks: Optional[int] = None
+        self.num_steps, self.overhead_s = 0, 0.0  # steps, and their round trip beyond the actor's busy time
+
+    # ---- start ----------------------------------------------------------------------------------
+    async def ready(self) -> None:
+        if self._ready is None:
+            self._ready = asyncio.ensure_future(self._wait_up())
+        if not self._ready.done():  # every step asks: once up, no await at all
+            await asyncio.shield(self._ready)
+        self._ready.result()  # a start that failed fails every step
+
+    async def _wait_up(self) -> None:
+        try:
+            info = await asyncio.wait_for(_future(self._info), self.start_timeout_s)
+        except asyncio.TimeoutError:
+            raise DeviceFault(f"instance {self.name}: its Ray actor was not up within {self.start_timeout_s:g} s "
+                              f"(it asks for {self._asks()}; free now: {_free()})") from None
+        except RayError as e:
+            raise DeviceFault(f"instance {self.name}: its Ray actor failed to start: {_why(e)}") from None
+        if (info["num_blocks"], info["block_size"]) != (self.num_blocks, self.block_size):
+            raise DeviceFault(f"instance {self.name}: the actor's pool has {info['num_blocks']} blocks of "
+                              f"{info['block_size']} tokens, the driver sized {self.num_blocks} of {self.block_size} "
+                              "(a different model or aserve on that host?)")
+        self.kind = f"ray:{info['device']}@{info['node']}"
+
+    def _asks(self) -> str:
+        o = self.options
+        return f"{o['num_gpus']} GPU" if o["num_gpus"] else f"{o['num_cpus']:.2f} CPU"
+
+    def watch(self, on_lost: Callable[[str], None]) -> None:
+        async def wait_for_death():
+            try:
+                await self.actor.watch.remote()
+            except RayError as e:
+                if not self._closing:
+                    on_lost(f"Ray actor of instance {self.name} died: {_why(e)}")
+
+        self._watcher = asyncio.ensure_future(wait_for_death())
+
+    # ---- steps ----------------------------------------------------------------------------------
+    async def _execute(self, plan: StepPlan) -> StepOutput:
+        await self.ready()
+        t0 = time.perf_counter()
+        try:
+            out, cpu_s = await self.actor.execute.remote(plan)
+        except RayError as e:
+            raise DeviceFault(f"instance {self.name}: step failed in its Ray actor: {_why(e)}") from None
+        self.num_steps += 1
+        self.overhead_s += max(0.0, time.perf_counter() - t0 - out.busy_s)
+        self.cpu_s += cpu_s
+        return out
+
+    def add_swap_space(self) -> int:
+        """The count is known here by the actor's own rule; the actor makes the space before
+        any step it is sent after this (an actor runs one caller's calls in order)."""
+        if self._swap_blocks is None:
+            self._swap_blocks = swap_num_blocks(self._args, self._dtype, self.cfg)
+            self.actor.add_swap_space.remote()
+        return self._swap_blocks
+
+    # ---- the KV hand-over -----------------------------------------------------------------------
+    async def send_kv(self, request_id: str, block_ids: Sequence[int], dst: Device, dst_block_ids: Sequence[int],
+                      link, num_tokens: int):
+        """Blocks from this actor to ``dst``'s through the object store; ``link`` (a
+        ``netemu.KVLink``) charges the emulated time around the real transfer."""
+        if not isinstance(dst, RayDevice):
+            raise TypeError(f"a Ray device sends KV to a Ray device, not {type(dst).__name__}")
+        src_ids, dst_ids = list(block_ids), list(dst_block_ids)
+        check_blocks(request_id, self.pool, src_ids, dst.pool, dst_ids)
+        nbytes = len(src_ids) * block_nbytes(self.pool)
+
+        async def copy() -> float:
+            t0 = link.clock.now()
+            await self._move(request_id, src_ids, dst, dst_ids)
+            return link.clock.now() - t0
+
+        return await link.carry(request_id, nbytes, num_tokens, copy)
+
+    async def _move(self, request_id: str, src_ids: list[int], dst: "RayDevice", dst_ids: list[int]) -> None:
+        """Export here, import there (which confirms to us). A cancel lets the call under way end
+        first: an import still running writes blocks the caller is about to free."""
+        job = None
+        try:
+            job = _future(self.actor.export_kv.remote(request_id, src_ids))
+            refs = await asyncio.shield(job)
+            job = _future(dst.actor.import_kv.remote(request_id, refs, dst_ids, self.actor))
+            await asyncio.shield(job)
+        except asyncio.CancelledError:
+            if job is not None:
+                await asyncio.wait([job])
+            self.actor.release.remote(request_id)
+            raise
+        except RayError as e:
+            self.actor.release.remote(request_id)  # harmless if this actor is the one that died
+            raise TransferError(f"request {request_id!r}: KV transfer {self.name} -> {dst.name} failed: "
+                                f"{_why(e)}") from None
+
+    async def held(self) -> dict:
+        """The actor's pinned exports and counters (tests, views)."""
+        return await self.actor.held.remote()
+
+    async def close(self) -> None:
+        """Let the step in flight end, then end the actor (a dead one: nothing to wait for)."""
+        self._closing = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+        up = self._ready is not None and self._ready.done() and not self._ready.cancelled() \
+            and self._ready.exception() is None
+        if up:  # an actor that never came up has no step in flight
+            try:
+                await asyncio.wait_for(_future(self.actor.close.remote()), CLOSE_WAIT_S)
+            except (RayError, asyncio.TimeoutError):
+                pass
+        ray.kill(self.actor, no_restart=True)
+
+
+def _future(ref) -> asyncio.Future:
+    """An ``ObjectRef`` as an asyncio future of the running loop (shieldable, waitable)."""
+    return asyncio.wrap_future(ref.future())
+
+
+def _free() -> str:
+    free = ray.available_resources()
+    return ", ".join(f"{free.get(k, 0):g} {k}" for k in ("CPU", "GPU"))
+
+
+def _why(e: BaseException) -> str:
+    """What happened, in one line: an error raised in the actor as itself (Ray wraps it with the
+    remote traceback), else the first line of Ray's own message (an actor that died, ...)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException) and not isinstance(cause, RayError):
+        e = cause
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
