@@ -48,6 +48,7 @@ class EngineConfig:
 
 
 MODES = ("disagg", "coupled")
+TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
 PREDICTOR_FEATURES = ("auto", "prefill", "prompt")
 
 
@@ -94,8 +95,14 @@ class ClusterConfig:
     flip_check_s: float = 0.25  # how often the transition watcher asks the policy
     on_failure: str = "rerun"  # rerun | error: what happens to a failed instance's requests
     transfer_timeout_s: float = 30.0  # a KV transfer slower than this is retried elsewhere
-    transfer_retries: int = 2  # retries on other decode instances before re-running from the prompt
-    lease_s: float = 60.0  # decode blocks reserved for KV that never arrives are freed after this
+    transfer_retries: int = 2  # retries on other decode instances before on_transfer_failure applies
+    # a KV hand-over that cannot happen (retries spent, or the lease below ran out): recompute (re-run
+    # from the prompt, keeping the tokens streamed) | fail (end the request with an error it can read)
+    on_transfer_failure: str = "recompute"
+    # KV held for a hand-over that has not happened is let go after this: decode blocks reserved for
+    # KV that never arrives are freed, and prefilled KV no decode instance has had room for is
+    # released (then on_transfer_failure applies)
+    lease_s: float = 60.0
     device_share: str = "shared"  # shared | dedicated: emulate one device per instance (aserve/engine/device.py, CoreShare)
     seed: int = 0
 
@@ -119,6 +126,9 @@ class ClusterConfig:
             raise ValueError("monitor_interval_s must be > 0")
         if self.on_failure not in ("rerun", "error"):
             raise ValueError(f"bad on_failure {self.on_failure!r}: rerun or error")
+        if self.on_transfer_failure not in TRANSFER_FAILURE_POLICIES:
+            raise ValueError(f"bad on_transfer_failure {self.on_transfer_failure!r}: "
+                             f"{' or '.join(TRANSFER_FAILURE_POLICIES)}")
         for name in ("flip_window_s", "flip_idle_s", "flip_check_s", "transfer_timeout_s", "lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -195,7 +195,7 @@ def test_lease_frees_blocks_reserved_for_kv_that_never_arrives(default_bundle_fp
             assert d.blocks.num_free < d.blocks.num_blocks
             await asyncio.sleep(0.5)
             assert d.blocks.num_free == d.blocks.num_blocks
-            assert cl.lifecycle.counts["reclaimed"] == 1
+            assert cl.lifecycle.counts["decode_leases_expired"] == 1
     asyncio.run(main())
 
 

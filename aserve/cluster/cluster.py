@@ -56,7 +56,8 @@ class Cluster:
         self.counts = {"finished": 0, "aborted": 0, "failed": 0}
         self.core_share = CoreShare(cfg.device_share == "dedicated" and engine.device == "cpu", self._cores())
         self.lifecycle = Lifecycle(cfg, self.clock, self.log, self)
-        self.handoff = Handoff(cfg, self.clock, self.log, self.instances, self.finish, self.lifecycle.rerun)
+        self.handoff = Handoff(cfg, self.clock, self.log, self.instances, self.finish, self.lifecycle.rerun,
+                               self.lifecycle.recompute)
         self.predictor = OnlinePredictor(cfg)
         self.stops: Optional[StopChecker] = None
         self.loop_lag_s = 0.0

@@ -76,8 +76,14 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
     g.add_argument("--flip-idle", type=float, default=60.0, help="idle flips: seconds an instance must be idle")
     g.add_argument("--on-failure", default="rerun", help="a failed instance's requests: rerun | error")
     g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds before a KV transfer is retried")
+    g.add_argument("--transfer-retries", type=int, default=2,
+                   help="a failed or timed-out KV transfer is tried again on another decode instance this many times")
+    g.add_argument("--on-transfer-failure", default="recompute",
+                   help="a KV hand-over that cannot happen (retries spent, or --lease ran out): recompute "
+                        "(re-run from the prompt) | fail (end the request with a readable error)")
     g.add_argument("--lease", type=float, default=60.0,
-                   help="seconds before decode blocks reserved for KV that never came are freed")
+                   help="seconds KV may be held for a hand-over that has not happened: decode blocks reserved "
+                        "for KV that never came are freed; prefilled KV no decode instance had room for is released")
     g.add_argument("--device-share", default="shared",
                    help="shared: instances share the CPU's cores | dedicated: emulate one device per instance "
                         "(cores/N of a core each, an idle instance's share is lost), as on GPUs")
@@ -100,6 +106,7 @@ def cluster_config(a: argparse.Namespace):
                          emulate_kv_bytes_per_token=a.emulate_kv_bytes_per_token,
                          monitor_interval_s=a.monitor_interval, flip=a.flip, flip_window_s=a.flip_window,
                          flip_idle_s=a.flip_idle, on_failure=a.on_failure, transfer_timeout_s=a.transfer_timeout,
+                         transfer_retries=a.transfer_retries, on_transfer_failure=a.on_transfer_failure,
                          lease_s=a.lease, device_share=a.device_share, seed=a.seed)
 
 
