@@ -6,6 +6,7 @@ from typing import Optional
 
 from model.attention import BACKENDS
 from model.kv_cache import SWAP_DTYPES
+from model.native import KERNELS
 from scheduling import registry
 
 
@@ -17,6 +18,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto | bf16 | fp16 | fp32
     device: str = "cpu"
     attention: str = "auto"  # auto: native on CPUs where our kernels build, else sdpa; flash on CUDA when installed
+    # our C++ kernels (model/native.py): auto (native where they build) | native | unfused (ours, one call
+    # per op: A/B measurements) | fallback (torch's own ops only; attention auto -> sdpa)
+    kernels: str = "auto"
     block_size: int = 16
     kv_cache_gb: float = 1.0
     max_num_batched_tokens: int = 512
@@ -31,6 +35,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.attention != "auto" and self.attention not in BACKENDS:
             raise ValueError(f"bad attention backend {self.attention!r}: choose one of auto, {', '.join(BACKENDS)}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"bad kernels {self.kernels!r}: choose one of {', '.join(KERNELS)}")
+        if self.kernels == "fallback" and self.attention == "native":
+            raise ValueError("attention 'native' is one of aserve's C++ kernels, which kernels 'fallback' turns off")
         if self.batching not in registry.names("batching"):
             raise ValueError(f"bad batching policy {self.batching!r}: choose one of {', '.join(registry.names('batching'))}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

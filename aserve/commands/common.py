@@ -15,6 +15,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:i")
     g.add_argument("--attention", default="auto",
                    help="attention backend: auto | reference | sdpa | native | flash (auto: native on CPU, flash or sdpa on CUDA)")
+    g.add_argument("--kernels", default="auto",
+                   help="aserve's C++ CPU kernels: auto (where they build) | native | unfused (ours, one call per op) "
+                        "| fallback (torch's own ops only; attention auto -> sdpa)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool size per instance, GiB")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -118,7 +121,8 @@ def engine_config(a: argparse.Namespace):
     if budget is None:
         saved = token_budget(a.cache_dir, a.model, a.device, a.dtype, a.threads) if a.batching == "sarathi" else None
         budget = saved or DEFAULT_TOKEN_BUDGET
-    return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention, block_size=a.block_size,
+    return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention, kernels=a.kernels,
+                        block_size=a.block_size,
                         kv_cache_gb=a.kv_cache_gb, max_num_batched_tokens=budget,
                         max_num_seqs=a.max_num_seqs, batching=a.batching, swap_gb=a.swap_gb,
                         swap_dtype=a.swap_dtype, num_threads=a.threads, cache_dir=a.cache_dir, seed=a.seed)
