@@ -81,7 +81,11 @@ class Cluster:
         self._monitor = asyncio.create_task(self._monitor_loop(), name="cluster-monitor")
         self.started = True
 
-    async def stop(self) -> None:
+    async def stop(self, wait_s: Optional[float] = None) -> None:
+        """Abort every request, stop every instance (at once) and free its device. ``wait_s``:
+        how long to wait for the steps, copies and predictions still running on their threads
+        (None: as long as they take); what overruns it is left to end unseen (a server's bounded
+        exit; nothing it could write is read again)."""
         for rid in list(self.requests):
             self.abort(rid)
         self.lifecycle.stop()
@@ -89,10 +93,18 @@ class Cluster:
             self._monitor.cancel()
         for t in list(self._tasks):
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for inst in self.instances.values():
-            await inst.stop()
-        await asyncio.to_thread(self.predictor.close)
+        loop = asyncio.get_running_loop()
+        deadline = None if wait_s is None else loop.time() + wait_s
+        left = lambda: None if deadline is None else max(0.0, deadline - loop.time())  # noqa: E731
+        work = [asyncio.ensure_future(inst.stop()) for inst in self.instances.values()]
+        if self._tasks:
+            work.append(asyncio.ensure_future(asyncio.gather(*self._tasks, return_exceptions=True)))
+        if work:
+            _, pending = await asyncio.wait(work, timeout=left())
+            if pending:
+                self.log.log("stop_overran", None, f"{len(pending)} device or hand-over tasks still running")
+        closing = asyncio.ensure_future(asyncio.to_thread(self.predictor.close))
+        await asyncio.wait([closing], timeout=left())
         self.started = False
 
     async def __aenter__(self):
