@@ -100,9 +100,12 @@ class Cluster:
         if self._tasks:
             work.append(asyncio.ensure_future(asyncio.gather(*self._tasks, return_exceptions=True)))
         if work:
-            _, pending = await asyncio.wait(work, timeout=left())
+            done, pending = await asyncio.wait(work, timeout=left())
             if pending:
                 self.log.log("stop_overran", None, f"{len(pending)} device or hand-over tasks still running")
+            for task in done:  # an instance that failed to stop: logged, the others still stop
+                if not task.cancelled() and task.exception() is not None:
+                    self.log.log("stop_failed", None, repr(task.exception()))
         closing = asyncio.ensure_future(asyncio.to_thread(self.predictor.close))
         await asyncio.wait([closing], timeout=left())
         self.started = False
