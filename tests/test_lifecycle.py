@@ -124,6 +124,27 @@ def test_failed_transfer_is_retried_and_frees_both_sides(workload):
     drill(workload, fail_links, after_tokens=1, then=then)
 
 
+def test_on_failure_error_ends_a_killed_instances_requests_with_its_reason(workload):
+    """``on_failure="error"``: the requests the killed decode instance held end with an error
+    naming it (none is re-run); every other request ends with its fault-free tokens."""
+    bundle, ids, want = workload
+
+    async def main():
+        cfg = ClusterConfig(mode="disagg", num_prefill=2, num_decode=2, chunk_size=64, on_failure="error")
+        async with Cluster(ENGINE, cfg, bundle=bundle) as cl:
+            async def kill(cl):
+                assert cl.instances["d2"].num_requests > 0, "the drill must hit a busy instance"
+                cl.lifecycle.kill("d2", "drill: worker killed")
+            results = await stream_all(cl, ids, kill)
+            failed = [err for _, reason, err in results if reason == "error"]
+            assert failed and all(err == "instance d2 failed: drill: worker killed" for err in failed)
+            for (toks, reason, err), w in zip(results, want):
+                assert reason in ("length", "error") and (reason == "error" or toks == w)
+            assert cl.lifecycle.counts["reruns"] == 0
+            await settled(cl, [i for i, inst in cl.instances.items() if inst.state == "active"])
+    asyncio.run(main())
+
+
 def test_no_instance_left_ends_requests_with_a_clear_error(workload):
     bundle, ids, _ = workload
 
