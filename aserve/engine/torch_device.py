@@ -102,7 +102,9 @@ class TorchDevice(Device):
                                 num_tokens=num_tokens, executor=self._copier)
 
     async def close(self) -> None:
-        """Wait for the step and copy in flight (off the loop), then stop both threads."""
+        """Wait for the step and copy in flight (off the loop), stop both threads, and let the KV
+        pool go now (a removed instance's memory comes back at once, whoever still refers to it)."""
         for pool in (self._copier, self.executor):
             if pool is not None:
                 await asyncio.to_thread(pool.shutdown, True)
+        self.runner = self.kv = None
