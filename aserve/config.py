@@ -6,6 +6,7 @@ from typing import Optional
 
 from model.attention import BACKENDS
 from model.kv_cache import SWAP_DTYPES
+from model.native import KERNELS
 from scheduling import registry
 
 
@@ -17,6 +18,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto | bf16 | fp16 | fp32
     device: str = "cpu"  # cpu | cuda[:i] | sim:PROFILE (a simulated device: aserve/engine/sim_device.py)
     attention: str = "auto"  # auto: native on CPUs where our kernels build, else sdpa; flash on CUDA when installed
+    # our C++ kernels (model/native.py): auto (native where they build) | native | unfused (ours, one call
+    # per op: A/B measurements) | fallback (torch's own ops only; attention auto -> sdpa)
+    kernels: str = "auto"
     block_size: int = 16
     kv_cache_gb: float = 1.0
     max_num_batched_tokens: int = 512
@@ -31,6 +35,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.attention != "auto" and self.attention not in BACKENDS:
             raise ValueError(f"bad attention backend {self.attention!r}: choose one of auto, {', '.join(BACKENDS)}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"bad kernels {self.kernels!r}: choose one of {', '.join(KERNELS)}")
+        if self.kernels == "fallback" and self.attention == "native":
+            raise ValueError("attention 'native' is one of aserve's C++ kernels, which kernels 'fallback' turns off")
         if self.batching not in registry.names("batching"):
             raise ValueError(f"bad batching policy {self.batching!r}: choose one of {', '.join(registry.names('batching'))}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -49,6 +57,7 @@ class EngineConfig:
 
 MODES = ("disagg", "coupled")
 DEVICE_BACKENDS = ("local", "ray")  # where instances run (ClusterConfig.backend)
+TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
 PREDICTOR_FEATURES = ("auto", "prefill", "prompt")
 
 
@@ -95,8 +104,14 @@ class ClusterConfig:
     flip_check_s: float = 0.25  # how often the transition watcher asks the policy
     on_failure: str = "rerun"  # rerun | error: what happens to a failed instance's requests
     transfer_timeout_s: float = 30.0  # a KV transfer slower than this is retried elsewhere
-    transfer_retries: int = 2  # retries on other decode instances before re-running from the prompt
-    lease_s: float = 60.0  # decode blocks reserved for KV that never arrives are freed after this
+    transfer_retries: int = 2  # retries on other decode instances before on_transfer_failure applies
+    # a KV hand-over that cannot happen (retries spent, or the lease below ran out): recompute (re-run
+    # from the prompt, keeping the tokens streamed) | fail (end the request with an error it can read)
+    on_transfer_failure: str = "recompute"
+    # KV held for a hand-over that has not happened is let go after this: decode blocks reserved for
+    # KV that never arrives are freed, and prefilled KV no decode instance has had room for is
+    # released (then on_transfer_failure applies)
+    lease_s: float = 60.0
     device_share: str = "shared"  # shared | dedicated: emulate one device per instance (aserve/engine/device.py, CoreShare)
     # where instances' devices live: local (threads of this process) | ray (a Ray actor each, on a
     # local Ray sized to this machine) | ray:ADDRESS (on the running Ray cluster at ADDRESS, or auto)
@@ -124,6 +139,9 @@ class ClusterConfig:
             raise ValueError("monitor_interval_s must be > 0")
         if self.on_failure not in ("rerun", "error"):
             raise ValueError(f"bad on_failure {self.on_failure!r}: rerun or error")
+        if self.on_transfer_failure not in TRANSFER_FAILURE_POLICIES:
+            raise ValueError(f"bad on_transfer_failure {self.on_transfer_failure!r}: "
+                             f"{' or '.join(TRANSFER_FAILURE_POLICIES)}")
         for name in ("flip_window_s", "flip_idle_s", "flip_check_s", "transfer_timeout_s", "lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

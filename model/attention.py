@@ -180,17 +180,21 @@ def _decode_batch(q, k_cache, v_cache, meta: AttentionMeta, scale: float, backen
     return out.reshape(b, num_heads, d).to(q.dtype)
 
 
-def pick_backend(name: str, device: str) -> str:
-    """Resolve ``auto`` to the fastest backend that works on ``device``; check explicit names."""
+def pick_backend(name: str, device: str, native_ok: bool = True) -> str:
+    """Resolve ``auto`` to the fastest backend that works on ``device``; check explicit names.
+    ``native_ok`` False (kernels ``fallback``) keeps our C++ kernel out."""
     cuda = device.startswith("cuda")
     if name == "auto":
         if cuda:
             return "flash" if flash_available() else "sdpa"
         from model import native
 
-        return "native" if native.available() else "sdpa"
+        return "native" if native_ok and native.available() else "sdpa"
     if name not in BACKENDS:
         raise ValueError(f"bad attention backend {name!r}: choose one of auto, {', '.join(BACKENDS)}")
+    if name == "native" and not native_ok:
+        raise ValueError("attention backend 'native' is one of aserve's C++ kernels, which kernels 'fallback' "
+                         "turns off: use auto, sdpa or reference")
     if name == "flash" and not flash_available():
         raise ValueError("attention backend 'flash' needs CUDA and the flash_attn package (pip install '.[gpu]')")
     if name == "native" and cuda:

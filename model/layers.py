@@ -9,11 +9,14 @@ from model.native import linear
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose decode-sized bf16 calls on a CPU go to our weight-streaming kernel
-    (``model.native.linear``); everything else is torch's own. Same parameters, same names."""
+    """``nn.Linear`` whose bf16 calls on a CPU go to our packed kernel (``model.native.linear``)
+    unless the model uses the fallback (``native`` False, set by ``native.use_kernels``);
+    everything else is torch's own. Same parameters, same names."""
+
+    native = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.native)
 
 
 class RMSNorm(nn.Module):

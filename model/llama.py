@@ -41,6 +41,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    native = True  # SwiGLU in our product's epilogue where it applies (native.use_kernels)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.inter = args.intermediate_size
@@ -49,7 +51,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):
         if self.gate_up_proj.bias is None:  # one packed product with SwiGLU in its epilogue (bf16 CPU)
-            return self.down_proj(native.silu_mul(x, self.gate_up_proj.weight))
+            return self.down_proj(native.silu_mul(x, self.gate_up_proj.weight, self.native))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -69,6 +71,9 @@ class LlamaBlock(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """``forward(input_ids, positions, meta, kv) -> hidden [T, hidden]``; ``logits(hidden)``."""
+
+    native = True  # the LM head through our packed product where it applies (native.use_kernels)
+    native_step = True  # a bf16 step in one native.llama_forward call where it applies
 
     def __init__(self, args: ModelArgs, backend: str = "sdpa"):
         super().__init__()
@@ -106,10 +111,11 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x), taps
 
     def _native_step(self, x: torch.Tensor, meta: AttentionMeta) -> bool:
-        """Whether this step can run as one ``native.llama_forward`` call: the native backend,
-        bf16 on a CPU with the packed products and a head layout the attention kernels take, no
-        biases, no autograd. Any mix of prompt chunks, decode tokens and pad rows."""
-        return (native.NATIVE_STEP and x.dtype is torch.bfloat16 and x.device.type == "cpu"
+        """Whether this step can run as one ``native.llama_forward`` call: kernels ``native``, the
+        native attention backend, bf16 on a CPU with the packed products and a head layout the
+        attention kernels take, no biases, no autograd. Any mix of prompt chunks, decode tokens
+        and pad rows."""
+        return (self.native_step and x.dtype is torch.bfloat16 and x.device.type == "cpu"
                 and self.layers[0].attn.backend == "native" and not (self.args.attention_bias or self.args.mlp_bias)
                 and not torch.is_grad_enabled() and self.norm.weight.dtype is torch.bfloat16 and native.packable(x, self.embed.weight)
                 and self.args.intermediate_size % 32 == 0
@@ -133,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""
-        return native.logits(hidden, self.embed.weight if self.lm_head is None else self.lm_head.weight)
+        return native.logits(hidden, self.embed.weight if self.lm_head is None else self.lm_head.weight, self.native)
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy weights named as in HF's ``LlamaForCausalLM``, fusing q/k/v and gate/up."""

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from model import native
 from model.config import ModelArgs, UnsupportedModel
 from model.llama import LlamaForCausalLM
 from model.opt import OPTForCausalLM
@@ -164,12 +165,17 @@ def build_model(cfg: dict, backend: str = "sdpa") -> torch.nn.Module:
     return OPTForCausalLM(args, backend, final_norm=not cfg.get("_remove_final_layer_norm", False))
 
 
-def model_from_state_dict(cfg: dict, sd: dict, dtype: torch.dtype, device="cpu", backend: str = "sdpa"):
+def model_from_state_dict(cfg: dict, sd: dict, dtype: torch.dtype, device="cpu", backend: str = "sdpa",
+                          kernels: str = "auto"):
+    """Our model with ``sd``'s weights; ``kernels`` (``native.KERNELS``) picks our C++ kernels or
+    torch's ops for its products and steps (the attention's own is ``backend``)."""
+    kernels = native.resolve_kernels(kernels, str(device))
     with torch.device("meta"):
         model = build_model(cfg, backend)
     model = model.to_empty(device=device)
     _rebuild_buffers(model, device)
     model.load_hf_state_dict(sd)
+    native.use_kernels(model, kernels)
     return model.to(dtype=dtype).eval().requires_grad_(False)
 
 
@@ -182,11 +188,11 @@ def _rebuild_buffers(model: torch.nn.Module, device) -> None:
         model.rope = fresh
 
 
-def load_model(path: Path, dtype: torch.dtype, device="cpu", backend: str = "sdpa"):
+def load_model(path: Path, dtype: torch.dtype, device="cpu", backend: str = "sdpa", kernels: str = "auto"):
     """Load a checkpoint folder into our model on ``device`` in ``dtype``."""
     cfg = read_config(path)
     ModelArgs.from_hf(cfg)  # fail on unsupported architectures before reading weights
-    return model_from_state_dict(cfg, load_state_dict(path), dtype, device, backend)
+    return model_from_state_dict(cfg, load_state_dict(path), dtype, device, backend, kernels)
 
 
 __all__ = ["DEFAULT_MODEL", "DTYPES", "ModelNotFound", "UnsupportedModel", "default_cache_dir", "pick_dtype",

@@ -16,11 +16,24 @@ default model: 270 MB more), the torch layout for everything else that reads the
 
 Each call lets the GIL go while it runs: a cluster's instances, its length predictor and its event
 loop are threads of one process, and must not wait for one another's kernels.
+
+Which path a model takes is its own setting (``EngineConfig.kernels``, ``--kernels``), put on its
+modules once by ``use_kernels``: ``native`` (ours, a bf16 LLaMA step in one call), ``unfused``
+(ours, one call per op: for A/B measurements), ``fallback`` (torch's own ops only, no C++), or
+``auto`` (native where ours build, else fallback). Every kernel has its fallback, and the tests
+compare both against a float32 reference.
+
+The build is compiled with ``-march=native``, so it is named after the instruction set it was made
+for (``build_name``): a cache made on one CPU is never loaded on another, where it could die of
+SIGILL; a new CPU (or compiler) gets its own build.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import platform
+import subprocess
 from pathlib import Path
 from typing import Optional
 
@@ -31,10 +44,40 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [str(_CSRC / name) for name in
             ("paged_attention.cpp", "paged_decode_bf16.cpp", "paged_prefill_bf16.cpp", "gemm_bf16.cpp",
              "llama_forward.cpp")]
-# ASERVE_NATIVE_LINEAR=0 keeps every linear on torch's matmul (for A/B measurements)
-NATIVE_LINEAR = os.environ.get("ASERVE_NATIVE_LINEAR", "1") != "0"
-# ASERVE_NATIVE_STEP=0 runs steps op by op in Python even where llama_forward could
-NATIVE_STEP = os.environ.get("ASERVE_NATIVE_STEP", "1") != "0"
+_VERSION = "aserve_native_v9"
+KERNELS = ("auto", "native", "unfused", "fallback")  # EngineConfig.kernels (see the module doc)
+
+
+def isa_key(target: str) -> str:
+    """12 hex digits naming an instruction set: ``target`` is what the compiler defines for
+    ``-march=native`` (or the CPU's flags). Equal targets, equal keys; any new feature, a new key."""
+    return hashlib.sha256(target.encode()).hexdigest()[:12]
+
+
+def _native_target() -> str:
+    """The predefined macros of ``-march=native`` (``__AVX512BF16__``, ``__tune_znver3__``, the
+    compiler's version, ...): exactly what the build is compiled for. Without a compiler (no
+    build either), the CPU's feature flags."""
+    cxx = os.environ.get("CXX", "c++")  # the compiler torch's extension builder calls
+    try:
+        out = subprocess.run([cxx, "-march=native", "-dM", "-E", "-x", "c++", os.devnull],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        return "\n".join(sorted(out.splitlines()))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):  # x86, arm
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
+@functools.lru_cache(maxsize=1)
+def build_name() -> str:
+    """The build's name in torch's extension cache, keyed by the instruction set it targets."""
+    return f"{_VERSION}_{isa_key(_native_target())}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -43,10 +86,40 @@ def load():
     from torch.utils.cpp_extension import load as build
 
     try:
-        return build(name="aserve_native_v9", sources=_SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        return build(name=build_name(), sources=_SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
                      extra_include_paths=[str(_CSRC)], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler missing, headers missing, ...
         raise RuntimeError(f"cannot build aserve's C++ kernels: {e}") from e
+
+
+def resolve_kernels(kernels: str, device: str) -> str:
+    """``EngineConfig.kernels`` for a model on ``device``: ``auto`` becomes native (a CPU where
+    ours build) or fallback; native and unfused where ours cannot run are a ValueError saying why."""
+    if kernels not in KERNELS:
+        raise ValueError(f"bad kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
+    on_cpu = device == "cpu"
+    if kernels == "auto":
+        return "native" if on_cpu and available() else "fallback"
+    if kernels != "fallback":
+        if not on_cpu:
+            raise ValueError(f"kernels {kernels!r} are aserve's CPU kernels; on {device} use auto or fallback")
+        try:
+            load()
+        except RuntimeError as e:
+            raise ValueError(f"kernels {kernels!r}: {e}") from None
+    return kernels
+
+
+def use_kernels(model: torch.nn.Module, kernels: str) -> None:
+    """Point a model at our kernels or torch's ops (``kernels`` resolved: native, unfused or
+    fallback). Modules that call a kernel of this file carry ``native`` (their products go to
+    ours where they apply); the model carries ``native_step`` (a bf16 LLaMA step in one call)."""
+    assert kernels in KERNELS[1:], kernels
+    for module in model.modules():
+        if hasattr(module, "native"):
+            module.native = kernels != "fallback"
+    model.native_step = kernels == "native"
+    model.kernels = kernels
 
 
 @functools.lru_cache(maxsize=1)
@@ -71,10 +144,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a product of ``x`` and ``weight`` goes to our packed kernel: bf16 CPU tensors, an
+    """Whether a product of ``x`` and ``weight`` can go to our packed kernel: bf16 CPU tensors, an
     even input width, nothing for autograd to track (the kernel has no backward). Called on every
     linear of every step: cheapest tests first."""
-    return (NATIVE_LINEAR and x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.device.type == "cpu"
+    return (x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.device.type == "cpu"
             and weight.shape[1] % 2 == 0
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and bf16_linear_available())
@@ -93,28 +166,32 @@ def packed(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
     return p
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear``, through our packed bf16 kernel where it applies (see ``packable``)."""
-    if packable(x, weight):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           native: bool = True) -> torch.Tensor:
+    """``F.linear``, through our packed bf16 kernel where it applies (see ``packable``) unless
+    ``native`` is False (the fallback: torch's own)."""
+    if native and packable(x, weight):
         y = load().linear_packed(x.reshape(-1, x.shape[-1]), packed(weight), weight.shape[0], bias)
         return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
-def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def logits(x: torch.Tensor, weight: torch.Tensor, native: bool = True) -> torch.Tensor:
     """An LM head's fp32 logits [N, vocab]. Where the packed kernel applies, its fp32 sums are
     returned as they are: rounding logits to bf16 (steps of 0.125 between 16 and 32) turned
-    near-ties into ties, and a tie into the wrong greedy token; elsewhere the model dtype's."""
-    if packable(x, weight):
+    near-ties into ties, and a tie into the wrong greedy token; elsewhere (and with ``native``
+    False) the model dtype's."""
+    if native and packable(x, weight):
         return load().linear_packed(x, packed(weight), weight.shape[0], None, True)
     return F.linear(x, weight).float()
 
 
-def silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(x: torch.Tensor, gate_up: torch.Tensor, native: bool = True) -> torch.Tensor:
     """SwiGLU's ``silu(x @ gate.T) * (x @ up.T)`` for a fused ``gate_up`` weight [2 I, K]: one
     packed product with the activation in its epilogue where it applies (I a multiple of 32),
-    else the three torch ops. Rounded to bf16 where torch's ops round, so both agree."""
-    if packable(x, gate_up) and gate_up.shape[0] % 64 == 0:
+    else (and with ``native`` False) the three torch ops. Rounded to bf16 where torch's ops round,
+    so both agree."""
+    if native and packable(x, gate_up) and gate_up.shape[0] % 64 == 0:
         y = load().silu_mul_packed(x.reshape(-1, x.shape[-1]), packed(gate_up, gate_up=True))
         return y.view(*x.shape[:-1], gate_up.shape[0] // 2)
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)

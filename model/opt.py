@@ -54,6 +54,8 @@ class OPTBlock(nn.Module):
 
 
 class OPTForCausalLM(nn.Module):
+    native = True  # the LM head through our packed product where it applies (native.use_kernels)
+
     def __init__(self, args: ModelArgs, backend: str = "sdpa", final_norm: bool = True):
         super().__init__()
         self.args = args
@@ -82,7 +84,7 @@ class OPTForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""
-        return native.logits(hidden, self.embed.weight if self.lm_head is None else self.lm_head.weight)
+        return native.logits(hidden, self.embed.weight if self.lm_head is None else self.lm_head.weight, self.native)
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy weights named as in HF's ``OPTForCausalLM`` (``model.decoder.*``), fusing q/k/v."""

@@ -246,6 +246,7 @@ class KVLink:
         self._totals = {"bytes": 0, "emulated_bytes": 0, "real_copy_s": 0.0,
                         "emulated_s": 0.0, "num_failed": 0, "num_copy_bound": 0}
         self._faults = 0  # fault drills: this many coming transfers fail after starting
+        self._stalls: list[float] = []  # fault drills: extra seconds the coming transfers hang
 
     def fail_next(self, n: int = 1) -> None:
         """Fault drill: ``n`` more of the coming transfers raise ``TransferError`` mid-way, as
@@ -253,6 +254,14 @@ class KVLink:
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         self._faults += n
+
+    def stall_next(self, n: int = 1, seconds: float = 1.0) -> None:
+        """Fault drill: ``n`` more of the coming transfers hang ``seconds`` after their copy
+        has landed, before the link time runs out, as a congested or stuck link would: a
+        caller's timeout shorter than that cancels them (the copy is whole by then)."""
+        if n < 0 or seconds < 0:
+            raise ValueError(f"n and seconds must be >= 0, got {n}, {seconds}")
+        self._stalls += [seconds] * n
 
     async def write(self, request_id: str, src_pool: torch.Tensor, src_block_ids: Sequence[int],
                     dst_pool: torch.Tensor, dst_block_ids: Sequence[int], *,
@@ -377,6 +386,8 @@ class KVLink:
                 self._faults -= 1
                 raise TransferError(f"request {request_id!r}: injected link fault")
             real_copy_s = await copy() if copy is not None else 0.0
+            if self._stalls:
+                await self._sleep(self._stalls.pop(0))
             model_end = await self._wait_out(transfer_id)
             landed = True
         finally:  # success, copy error or cancellation: the link never keeps a ghost

@@ -1,4 +1,3 @@
-import os
 import sys
 from pathlib import Path
 
@@ -7,6 +6,31 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / "shared"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--kernels", default="auto", choices=("auto", "fallback"),
+                     help="fallback: run the suite as on a CPU where aserve's C++ kernels do not build: every "
+                          "engine takes torch's own ops (kernels auto resolves to fallback), the kernels' own "
+                          "tests skip, their fallbacks' tests run")
+
+
+def pytest_configure(config):
+    if config.getoption("--kernels") == "fallback":
+        from model import native
+
+        def refuse():
+            raise RuntimeError("aserve's C++ kernels are off for this test run (pytest --kernels fallback)")
+
+        native.load = refuse  # what available() and every kernel call go through
+        native.available.cache_clear()
+        native.bf16_linear_available.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def kernels(pytestconfig) -> str:
+    """This run's ``--kernels``, for servers the tests start as subprocesses (``cli.py --kernels``)."""
+    return pytestconfig.getoption("--kernels")
 
 
 def pytest_collection_modifyitems(config, items):

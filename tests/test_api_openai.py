@@ -103,8 +103,11 @@ def test_metrics_and_stats_report_the_requests(server, client):
                  "vllm:num_requests_waiting{", "vllm:kv_cache_usage_perc{", "vllm:num_preemptions_total{",
                  "vllm:prompt_tokens_total{", "vllm:generation_tokens_total{", "aserve:pad_tokens_total{",
                  "aserve:instance_busy_seconds_total{", "aserve:loop_lag_seconds", "aserve:flips_total 0.0",
-                 'aserve:requests_total{outcome="finished"}'):
+                 'aserve:requests_total{outcome="finished"}', "aserve:kv_transfer_timeouts_total 0.0",
+                 "aserve:kv_transfer_retries_total 0.0", "aserve:kv_transfer_recomputes_total 0.0",
+                 "aserve:prefill_leases_expired_total 0.0", "aserve:instance_failures_total 0.0"):
         assert name in text, name
+    assert 'outcome="transfer_retries"' not in text  # each control-plane counter has its own family
     assert 'instance="c0"' in text
     snap = server.wait_idle()
     (inst,) = snap["instances"]

@@ -11,10 +11,13 @@ from aserve.config import EngineConfig
 pytestmark = pytest.mark.slow
 
 
-def test_quick_engine_bench_writes_consistent_figures(tmp_path):
+@pytest.mark.parametrize("kernels", ["auto", "fallback"])
+def test_quick_engine_bench_writes_consistent_figures(tmp_path, kernels):
     out = tmp_path / "bench.json"
-    assert run_engine_bench(EngineConfig(), str(out), quick=True) == 0
+    assert run_engine_bench(EngineConfig(kernels=kernels), str(out), quick=True) == 0
     r = json.loads(out.read_text())
+    if kernels == "fallback":  # measured on torch's own ops, when asked
+        assert r["kernels"] == "fallback" and r["attention"] == "sdpa"
     sizes = {int(n) for n in r["prefill"]}
     assert r["saturate_chunk"] in sizes
     best = max(v["tokens_per_s"] for v in r["prefill"].values())

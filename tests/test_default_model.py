@@ -59,6 +59,20 @@ def test_bf16_default_engine_says_paris_through_the_one_call_step(monkeypatch):
     assert llm.blocks.num_free == llm.blocks.num_blocks
 
 
+def test_fallback_engine_runs_without_any_cxx_kernel(monkeypatch):
+    """``kernels="fallback"``: a bf16 engine never calls our C++ (every way to it raises here) and
+    gives the fp32 model's answer, as on a CPU where our kernels do not build."""
+    def refuse():
+        raise AssertionError("kernels 'fallback' reached aserve's C++ kernels")
+
+    monkeypatch.setattr(native, "load", refuse)
+    llm = LLM(EngineConfig(dtype="bf16", kv_cache_gb=0.05, kernels="fallback"))
+    assert llm.bundle.kernels == "fallback" and llm.bundle.model.layers[0].attn.backend == "sdpa"
+    out = llm.generate([DECISIVE_QUESTION], SamplingParams(max_tokens=24, temperature=0))[0]
+    assert out.text == "The capital of France is Paris."
+    assert llm.blocks.num_free == llm.blocks.num_blocks
+
+
 def test_prompt_beyond_context_is_refused(default_bundle_fp32):
     llm = LLM(EngineConfig(dtype="fp32", kv_cache_gb=0.05), bundle=default_bundle_fp32)
     with pytest.raises(PromptTooLong, match="context window of 8192"):

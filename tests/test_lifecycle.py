@@ -79,9 +79,33 @@ def test_failed_transfer_is_retried_and_frees_both_sides(workload):
         cl.handoff.inject_faults(3)
 
     async def then(cl):
-        assert cl.handoff.counts["transfer_retries"] == 3
+        counts = cl.handoff.counts
+        assert counts["transfer_failures"] == 3 and counts["transfer_timeouts"] == 0
+        # each failure was retried, or was a request's third and it was recomputed
+        assert counts["transfer_retries"] + counts["transfer_recomputes"] == 3
         assert sum(link.stats()["num_failed"] for link in cl.handoff.links.values()) == 3
     drill(workload, fail_links, after_tokens=1, then=then)
+
+
+def test_on_failure_error_ends_a_killed_instances_requests_with_its_reason(workload):
+    """``on_failure="error"``: the requests the killed decode instance held end with an error
+    naming it (none is re-run); every other request ends with its fault-free tokens."""
+    bundle, ids, want = workload
+
+    async def main():
+        cfg = ClusterConfig(mode="disagg", num_prefill=2, num_decode=2, chunk_size=64, on_failure="error")
+        async with Cluster(ENGINE, cfg, bundle=bundle) as cl:
+            async def kill(cl):
+                assert cl.instances["d2"].num_requests > 0, "the drill must hit a busy instance"
+                cl.lifecycle.kill("d2", "drill: worker killed")
+            results = await stream_all(cl, ids, kill)
+            failed = [err for _, reason, err in results if reason == "error"]
+            assert failed and all(err == "instance d2 failed: drill: worker killed" for err in failed)
+            for (toks, reason, err), w in zip(results, want):
+                assert reason in ("length", "error") and (reason == "error" or toks == w)
+            assert cl.lifecycle.counts["reruns"] == 0
+            await settled(cl, [i for i, inst in cl.instances.items() if inst.state == "active"])
+    asyncio.run(main())
 
 
 def test_no_instance_left_ends_requests_with_a_clear_error(workload):
@@ -155,7 +179,7 @@ def test_lease_frees_blocks_reserved_for_kv_that_never_arrives(default_bundle_fp
             assert d.blocks.num_free < d.blocks.num_blocks
             await asyncio.sleep(0.5)
             assert d.blocks.num_free == d.blocks.num_blocks
-            assert cl.lifecycle.counts["reclaimed"] == 1
+            assert cl.lifecycle.counts["decode_leases_expired"] == 1
     asyncio.run(main())
 
 

@@ -1,13 +1,27 @@
-"""Our C++ CPU kernels against plain torch: paged decode attention (the bf16 fast path, the
-general vector and scalar paths, fp32 and bf16, ragged contexts, contexts split over threads)
-and the packed bf16 products (plain, with bias, with a residual add, with SwiGLU)."""
+"""Our C++ CPU kernels, and the fallback each one has (torch's own ops: ``--kernels fallback``),
+against float32 references: paged decode attention (the bf16 fast path, the general vector and
+scalar paths, fp32 and bf16, ragged contexts, contexts split over threads), the packed bf16
+products (plain, with bias, with a residual add, with SwiGLU) and a whole LLaMA step on every
+kernel path. The fallbacks' tests run on every machine; ours skip where they cannot run."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from model import native
+from model.attention import AttentionMeta, paged_attention
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="aserve's C++ kernels do not build here")
+needs_native = pytest.mark.skipif(not native.available(), reason="aserve's C++ kernels do not build here")
+needs_bf16 = pytest.mark.skipif(not native.bf16_linear_available(), reason="no AVX512-BF16 kernels here")
+DECODE_PATHS = [pytest.param("native", marks=needs_native), "fallback"]
+PRODUCT_PATHS = [pytest.param("native", marks=needs_bf16), "fallback"]
+
+
+def decode(path, q, k_cache, v_cache, tables, lens, scale):
+    """Paged decode attention by our kernel, or by its fallback (the sdpa backend over gathered blocks)."""
+    if path == "native":
+        return native.paged_decode(q, k_cache, v_cache, tables, lens, scale)
+    meta = AttentionMeta(torch.zeros(0, dtype=torch.long), (), 0, q.shape[0], k_cache.shape[1], tables, lens)
+    return paged_attention(q, k_cache, v_cache, meta, scale, "sdpa")
 
 
 def dense_decode(q, k_cache, v_cache, tables, lens, scale):
@@ -24,11 +38,12 @@ def dense_decode(q, k_cache, v_cache, tables, lens, scale):
     return out
 
 
+@pytest.mark.parametrize("path", DECODE_PATHS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 # (9, 3, 64) is the default model's layout (bf16: the fast path); (4, 4, 16) and (6, 2, 24) take the
 # general paths; (8, 2, 128) and (16, 2, 64) the fast path's other instantiations
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (6, 2, 24), (8, 2, 128), (16, 2, 64)])
-def test_paged_decode_matches_dense(dtype, tol, heads, kv_heads, head_dim):
+def test_paged_decode_matches_dense(path, dtype, tol, heads, kv_heads, head_dim):
     g = torch.Generator().manual_seed(heads * head_dim)
     bs, max_blocks = 16, 6
     lens = torch.tensor([1, 15, 16, 17, 50, 96])  # partial blocks, exact blocks, one token
@@ -37,11 +52,12 @@ def test_paged_decode_matches_dense(dtype, tol, heads, kv_heads, head_dim):
     tables = torch.randperm(64, generator=g)[:len(lens) * max_blocks].view(len(lens), max_blocks)
     q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
     scale = head_dim ** -0.5
-    got = native.paged_decode(q, k_cache, v_cache, tables, lens, scale).float()
+    got = decode(path, q, k_cache, v_cache, tables, lens, scale).float()
     want = dense_decode(q, k_cache, v_cache, tables, lens, scale)
     assert (got - want).abs().max().item() <= tol
 
 
+@needs_native
 @pytest.mark.parametrize("ctx", [1, 63, 64, 200, 1000])
 @pytest.mark.parametrize("block_size", [16, 8, 32])
 def test_paged_decode_splits_long_contexts_of_small_batches(ctx, block_size):
@@ -58,18 +74,17 @@ def test_paged_decode_splits_long_contexts_of_small_batches(ctx, block_size):
     assert (got - want).abs().max().item() <= 2e-2
 
 
-def test_paged_decode_softmax_survives_large_scores():
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_paged_decode_softmax_survives_large_scores(path):
     """Scores far apart (one dominant key) must not overflow or underflow into NaN."""
     k_cache = torch.zeros(4, 16, 1, 16)
     v_cache = torch.randn(4, 16, 1, 16)
     k_cache[0, 3] = 50.0  # q . k = 50 * 50 * 16 * scale: every other key is e^-big
     q = torch.full((1, 1, 16), 50.0)
-    out = native.paged_decode(q, k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([20]), 0.25)
+    out = decode(path, q, k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([20]), 0.25)
     assert torch.isfinite(out).all()
     assert torch.allclose(out[0, 0], v_cache[0, 3], atol=1e-5)
 
-
-needs_bf16 = pytest.mark.skipif(not native.bf16_linear_available(), reason="CPU has no AVX512-BF16")
 
 
 def _close_to_float(got: torch.Tensor, want: torch.Tensor, k: int) -> bool:
@@ -77,35 +92,38 @@ def _close_to_float(got: torch.Tensor, want: torch.Tensor, k: int) -> bool:
     return bool(((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-4 * k ** 0.5).all())
 
 
-@needs_bf16
+@pytest.mark.parametrize("path", PRODUCT_PATHS)
 @pytest.mark.parametrize("rows", [1, 3, 6, 7, 13, 64, 130])  # blocks of six rows and their remainders
 # groups of 64 rows: 1 (split between threads by k), 15 and 9 (one group split), 2, 16 (split evenly)
 @pytest.mark.parametrize("n,k,bias", [(13, 64, False), (960, 576, False), (576, 1536, True), (96, 32, True),
                                       (1000, 1536, True), (70, 2, False)])
-def test_linear_packed_matches_float_reference(rows, n, k, bias):
+def test_linear_packed_matches_float_reference(path, rows, n, k, bias):
     g = torch.Generator().manual_seed(n + k + rows)
     x = torch.randn(rows, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
-    assert native.packable(x, w)  # the packed kernel, not torch's matmul
-    got = native.linear(x, w, b)
+    assert path == "fallback" or native.packable(x, w)  # the packed kernel, not torch's matmul
+    got = native.linear(x, w, b, native=path == "native")
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     assert _close_to_float(got, F.linear(x.float(), w.float(), None if b is None else b.float()), k)
 
 
-@needs_bf16
+@pytest.mark.parametrize("path", PRODUCT_PATHS)
 @pytest.mark.parametrize("rows", [1, 5, 40])
-def test_packed_epilogues_match_torch_ops(rows):
-    """SwiGLU in the product's epilogue and the residual add give what torch's bf16 ops give
-    (each op rounded to bf16), up to the products' own summation order."""
+def test_packed_epilogues_match_torch_ops(path, rows):
+    """SwiGLU in the product's epilogue (and its fallback, three torch ops) and the residual add
+    give what torch's bf16 ops on float products give (each op rounded to bf16), up to the
+    products' own summation order."""
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 576, generator=g).bfloat16()
     gate_up = (torch.randn(2 * 1536, 576, generator=g) / 24).bfloat16()
     gate, up = F.linear(x.float(), gate_up.float()).bfloat16().chunk(2, dim=-1)
     want = F.silu(gate) * up
-    assert native.packable(x, gate_up)
-    got = native.silu_mul(x, gate_up)
+    assert path == "fallback" or native.packable(x, gate_up)
+    got = native.silu_mul(x, gate_up, native=path == "native")
     assert got.shape == want.shape and (got.float() - want.float()).abs().max().item() <= 0.02 * want.abs().max().item()
+    if path == "fallback":
+        return
     mod = native.load()
     # the default model's down weight: 9 groups of 64 rows, so two threads each sum part of one
     h = torch.randn(rows, 576, generator=g).bfloat16()
@@ -114,6 +132,16 @@ def test_packed_epilogues_match_torch_ops(rows):
     want = h + F.linear(act.float(), down.float()).bfloat16()
     mod.linear_packed_add_(h, act, native.packed(down))
     assert (h.float() - want.float()).abs().max().item() <= 0.02 * want.abs().max().item()
+
+
+def test_lm_head_fallback_logits_are_the_model_dtypes():
+    """The fallback LM head: torch's bf16 product, as fp32, within one bf16 rounding of the sums."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 576, generator=g).bfloat16()
+    w = (torch.randn(1000, 576, generator=g) / 4).bfloat16()
+    got, want = native.logits(x, w, native=False), F.linear(x.float(), w.float())
+    assert got.dtype == torch.float32 and torch.equal(got, F.linear(x, w).float())
+    assert ((got - want).abs() <= want.abs() * 2 ** -8 + 1e-2).all()
 
 
 @needs_bf16
@@ -187,18 +215,17 @@ STEPS = {
 }
 
 
-@needs_bf16
-@pytest.mark.parametrize("kind", list(STEPS))
-def test_llama_forward_step_matches_op_by_op(monkeypatch, kind):
-    """One ``native.llama_forward`` call for a step (decode rows, prompt chunks that start at 0 or
-    continue a request, pad rows) gives the op-by-op bf16 path's hidden states and K/V (within
-    bf16 rounding), and is as close to an fp32 run as that path."""
+def _llama_setup(kind: str, kernels: str, backend: str):
+    """The tiny LLaMA in bf16 on ``kernels`` and ``backend`` and its fp32 reference, each with the
+    context of STEPS[kind] in its cache: (model, runner, the step, (fp32 runner, fp32 model))."""
     from scheduling.step import SeqStep, StepPlan
     from tests.tiny import hf_model, make_runner, ours
+    from model.loader import model_from_state_dict
 
     cfg = _tiny_llama32()
     hf = hf_model(cfg)
-    model, m32 = ours(cfg, hf, torch.bfloat16, "native"), ours(cfg, hf, torch.float32, "reference")
+    model = model_from_state_dict(cfg, hf.state_dict(), torch.bfloat16, "cpu", backend, kernels)
+    m32 = ours(cfg, hf, torch.float32, "reference")
     (runner, blocks), (r32, _) = make_runner(model), make_runner(m32)
     g = torch.Generator().manual_seed(len(kind))
     seqs = []
@@ -211,7 +238,16 @@ def test_llama_forward_step_matches_op_by_op(monkeypatch, kind):
                 r.forward_logits(StepPlan((SeqStep(f"r{i}", tuple(ids[:before]), 0, tuple(block_ids)),)))
         seqs.append(SeqStep(f"r{i}", tuple(ids[before:]), before, tuple(block_ids)))
     chunks, decodes = [s for s in seqs if len(s.token_ids) > 1], [s for s in seqs if len(s.token_ids) == 1]
-    step = StepPlan(tuple(chunks + decodes), num_pad_tokens=3 if "pad" in kind else 0)
+    return model, runner, StepPlan(tuple(chunks + decodes), num_pad_tokens=3 if "pad" in kind else 0), (r32, m32)
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", list(STEPS))
+def test_llama_forward_step_matches_op_by_op(kind):
+    """One ``native.llama_forward`` call for a step (decode rows, prompt chunks that start at 0 or
+    continue a request, pad rows) gives the op-by-op bf16 path's (kernels ``unfused``) hidden
+    states and K/V (within bf16 rounding), and is as close to an fp32 run as that path."""
+    model, runner, step, (r32, m32) = _llama_setup(kind, "native", "native")
     before_kv = runner.kv.pool.clone()
     with torch.inference_mode():
         ids, pos, meta, *_ = runner._prepare(step)
@@ -219,7 +255,7 @@ def test_llama_forward_step_matches_op_by_op(monkeypatch, kind):
         fused = model(ids, pos, meta, runner.kv.pool).float()
         fused_kv = runner.kv.pool.clone()
         runner.kv.pool.copy_(before_kv)
-        monkeypatch.setattr(native, "NATIVE_STEP", False)
+        native.use_kernels(model, "unfused")
         assert not model._native_step(model.embed(ids), meta)
         op_by_op = model(ids, pos, meta, runner.kv.pool).float()
         ids32, pos32, meta32, *_ = r32._prepare(step)
@@ -231,6 +267,24 @@ def test_llama_forward_step_matches_op_by_op(monkeypatch, kind):
     # a few bf16 rounding steps of each value (summation orders differ), and no further from fp32
     assert ((fused - op_by_op).abs() <= 2 ** -5 * op_by_op.abs() + 1e-2).all()
     assert (fused - exact).abs().max().item() <= 1.25 * (op_by_op - exact).abs().max().item() + 5e-3
+
+
+@pytest.mark.parametrize("kind", list(STEPS))
+@pytest.mark.parametrize("kernels,backend", [pytest.param("native", "native", marks=needs_bf16),
+                                             pytest.param("unfused", "native", marks=needs_bf16),
+                                             ("fallback", "sdpa"), ("fallback", "reference")])
+def test_every_kernel_path_runs_a_bf16_step_close_to_fp32(kind, kernels, backend):
+    """Every path a bf16 LLaMA step can take (ours in one call, ours op by op, torch's own ops)
+    lands within a few bf16 roundings of the fp32 reference: the fallback is as good as ours."""
+    model, runner, step, (r32, m32) = _llama_setup(kind, kernels, backend)
+    with torch.inference_mode():
+        ids, pos, meta, *_ = runner._prepare(step)
+        assert model._native_step(model.embed(ids), meta) == (kernels == "native")
+        real = meta.num_real_tokens
+        hidden = model(ids, pos, meta, runner.kv.pool).float()[:real]
+        ids32, pos32, meta32, *_ = r32._prepare(step)
+        exact = m32(ids32, pos32, meta32, r32.kv.pool)[:real]
+    assert ((hidden - exact).abs() <= 2 ** -4 * exact.abs() + 5e-2).all(), (hidden - exact).abs().max().item()
 
 
 @needs_bf16
@@ -266,6 +320,7 @@ def test_paged_prefill_matches_dense_causal(chunks, block_size):
         assert (got[s:e] - want).abs().max().item() <= 2e-2
 
 
+@needs_native
 def test_read_pass_reads_every_value():
     """The memory probe of ``bench engine`` reads (and sums) the whole buffer."""
     x = torch.arange(64 * 1000, dtype=torch.float32) % 7
@@ -274,6 +329,7 @@ def test_read_pass_reads_every_value():
         native.load().read_pass(torch.ones(100))
 
 
+@needs_native
 def test_kernels_let_other_threads_run():
     """A kernel call lets the GIL go: with the instances, the length predictor and the event loop
     on threads of one process, a kernel that held it stalled them all (the online lm predictor
@@ -309,3 +365,43 @@ def test_kernels_let_other_threads_run():
     call = time.perf_counter() - start
     assert call > 0.1, "the call was too short to tell"
     assert longest < 0.5 * call, f"this thread stood still {longest:.3f} s of a {call:.3f} s kernel call"
+
+
+# ---- which kernels, and which build ------------------------------------------------------------
+
+def test_kernels_setting_is_resolved_and_checked():
+    from aserve.config import EngineConfig
+    from model.attention import pick_backend
+
+    assert native.resolve_kernels("fallback", "cpu") == "fallback"
+    assert native.resolve_kernels("auto", "cuda") == "fallback"  # ours are CPU kernels
+    assert native.resolve_kernels("auto", "cpu") == ("native" if native.available() else "fallback")
+    with pytest.raises(ValueError, match="bad kernels 'fast'"):
+        native.resolve_kernels("fast", "cpu")
+    with pytest.raises(ValueError, match="on cuda use auto or fallback"):
+        native.resolve_kernels("native", "cuda")
+    assert pick_backend("auto", "cpu", native_ok=False) == "sdpa"
+    with pytest.raises(ValueError, match="kernels 'fallback' turns off"):
+        pick_backend("native", "cpu", native_ok=False)
+    assert EngineConfig(kernels="fallback").kernels == "fallback"
+    with pytest.raises(ValueError, match="bad kernels 'x': choose one of auto, native, unfused, fallback"):
+        EngineConfig(kernels="x")
+    with pytest.raises(ValueError, match="kernels 'fallback' turns off"):
+        EngineConfig(kernels="fallback", attention="native")
+
+
+def test_build_is_named_after_the_instruction_set():
+    """``-march=native`` code from one CPU may not run on another (SIGILL): the build's name carries
+    a key of what it was compiled for, so another CPU (or compiler) gets a build of its own."""
+    avx512 = "#define __AVX2__ 1\n#define __AVX512F__ 1"
+    assert native.isa_key(avx512) == native.isa_key(avx512) and len(native.isa_key(avx512)) == 12
+    assert native.isa_key(avx512) != native.isa_key(avx512 + "\n#define __AVX512BF16__ 1")
+    assert native.build_name() == f"aserve_native_v9_{native.isa_key(native._native_target())}"
+
+
+@needs_native
+def test_the_loaded_build_is_this_cpus():
+    from pathlib import Path
+
+    assert Path(native.load().__file__).parent.name == native.build_name()
+

@@ -278,6 +278,31 @@ def test_cancel_during_the_wait_frees_the_link():
     assert link.model.in_flight() == () and link.stats()["num_aborted"] == 1
 
 
+def test_stalled_transfer_lands_late_and_a_timeout_cancels_it():
+    """``stall_next``: the copy lands whole, then the transfer hangs the stall on top of the link
+    time; a caller's timeout shorter than that cancels it and leaves nothing on the link."""
+    link, _, slept = fake_link()
+    link.stall_next(1, 10.0)
+    src, dst = make_pool(4, torch.float32), make_pool(4, torch.float32, fill=False)
+    rec = asyncio.run(link.write("r", src, [0, 1], dst, [2, 3]))
+    assert slept[0] == 10.0 and rec.emulated_s == pytest.approx(10.0)  # the link time ran out meanwhile
+    assert_copied(src, [0, 1], dst, [2, 3])
+    rec = asyncio.run(link.write("r", src, [0], dst, [0]))  # one stall only: the next one is on time
+    assert rec.emulated_s == pytest.approx(rec.model_s)
+
+    stuck = KVLink(LinkProfile("fast", 1e12, 0.0), MonotonicClock())  # on time: well under 0.2 s
+    stuck.stall_next(1, 30.0)
+
+    async def timed_out():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(stuck.write("r", make_pool(2), [0], make_pool(2), [1]), 0.2)
+        await asyncio.wait_for(stuck.write("r", make_pool(2), [0], make_pool(2), [1]), 0.2)
+    asyncio.run(timed_out())
+    assert stuck.model.in_flight() == () and stuck.stats()["num_failed"] == 1
+    with pytest.raises(ValueError, match="n and seconds"):
+        link.stall_next(1, -1.0)
+
+
 # ---- two-sided matching --------------------------------------------------------------------
 
 def test_two_sided_errors_and_cancel():

@@ -38,6 +38,27 @@ _LINK_COUNTERS = (("aserve:kv_transfer_bytes", "bytes", "KV bytes really copied"
                   ("aserve:kv_transfer_real_seconds", "real_copy_s", "Seconds of the real copies"),
                   ("aserve:kv_transfer_link_busy_seconds", "busy_s", "Link seconds with data moving"))
 
+# ``counts`` of the snapshot: how requests ended (one family, by outcome), and the control plane's
+# own counters, each a family named for what it counts (aserve/cluster/lifecycle.py, handoff.py)
+OUTCOMES = ("finished", "aborted", "failed", "rejected")
+CONTROL_COUNTERS = {
+    "reruns": ("aserve:request_reruns", "Requests re-run from the prompt (a failed instance, or a hand-over given up)"),
+    "instance_failures": ("aserve:instance_failures", "Instances that failed (a step raised, or the loop died)"),
+    "decode_leases_expired": ("aserve:decode_leases_expired", "Decode blocks reserved for KV that never came, "
+                              "freed after --lease"),
+    "prefill_leases_expired": ("aserve:prefill_leases_expired", "Prefilled KV released after --lease with no "
+                               "decode instance room for it"),
+    "transfer_failures": ("aserve:kv_transfer_failures", "KV transfer attempts that failed (an error, a timeout, "
+                          "or a receiver that went away)"),
+    "transfer_timeouts": ("aserve:kv_transfer_timeouts", "KV transfer attempts that ran past --transfer-timeout"),
+    "transfer_retries": ("aserve:kv_transfer_retries", "Failed KV transfer attempts tried again on another "
+                         "decode instance"),
+    "transfer_recomputes": ("aserve:kv_transfer_recomputes", "Requests re-run from the prompt because their KV "
+                            "could not be handed over (--on-transfer-failure recompute)"),
+    "transfer_failed_requests": ("aserve:kv_transfer_failed_requests", "Requests ended with an error because their "
+                                 "KV could not be handed over (--on-transfer-failure fail)"),
+}
+
 _PREDICTOR_COUNTERS = (("aserve:predictor_predictions", "predictions", "Predicted ranges put on requests"),
                        ("aserve:predictor_scored", "scored", "Finished requests whose prediction was scored"),
                        ("aserve:predictor_hits", "hits", "Scored requests whose length fell in the predicted bucket"))
@@ -57,11 +78,18 @@ class _ClusterCollector:
         yield GaugeMetricFamily("aserve:loop_lag_seconds", "Event-loop lag seen by the cluster monitor",
                                 value=snap["loop_lag_s"])
         yield CounterMetricFamily("aserve:flips", "Instance role flips", value=snap["num_flips"])
-        outcome = CounterMetricFamily("aserve:requests", "Requests ended, by outcome", labels=["outcome"])
-        for key, value in snap["counts"].items():
-            outcome.add_metric([key], value)
-        yield outcome
+        yield from self._counts(snap["counts"])
         yield from self._predictor(snap["predictor"])
+
+    def _counts(self, counts: dict):
+        outcome = CounterMetricFamily("aserve:requests", "Requests ended, by outcome", labels=["outcome"])
+        for key in OUTCOMES:
+            if key in counts:
+                outcome.add_metric([key], counts[key])
+        yield outcome
+        for key, (name, doc) in CONTROL_COUNTERS.items():
+            if key in counts:
+                yield CounterMetricFamily(name, doc, value=counts[key])
 
     def _predictor(self, pred: dict):
         """The length predictor: latency, outcomes, and hits over scored requests (accuracy =

@@ -188,7 +188,8 @@ def run_engine_bench(cfg: EngineConfig, json_path: str | None, quick: bool = Fal
         gen = bench_generate(bundle, cfg, *((4, 32, 16) if quick else (32, 128, 128)))
     result = {
         "machine": _machine(cfg.device), "date": date.today().isoformat(), "device": cfg.device,
-        "dtype": str(bundle.dtype).removeprefix("torch."), "attention": pick_backend(cfg.attention, cfg.device), "threads": torch.get_num_threads(),
+        "dtype": str(bundle.dtype).removeprefix("torch."), "kernels": bundle.kernels,
+        "attention": pick_backend(cfg.attention, cfg.device, bundle.kernels != "fallback"), "threads": torch.get_num_threads(),
         "model": str(bundle.path.name), "prefill": prefill["chunks"], "saturate_chunk": prefill["saturate_chunk"],
         "decode": decode, "weight_bytes": wbytes, **roof, **gen,
     }
@@ -209,7 +210,7 @@ def _machine(device: str) -> str:
 
 
 def _print(console: Console, r: dict) -> None:
-    t = Table(title=f"prefill ({r['dtype']}, {r['device']}, {r['threads']} threads)")
+    t = Table(title=f"prefill ({r['dtype']}, {r['device']}, kernels {r['kernels']}, {r['threads']} threads)")
     t.add_column("chunk"), t.add_column("ms", justify="right"), t.add_column("tokens/s", justify="right")
     for n, v in r["prefill"].items():
         t.add_row(str(n), f"{v['seconds'] * 1000:.1f}", f"{v['tokens_per_s']:.0f}")

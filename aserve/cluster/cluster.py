@@ -55,7 +55,8 @@ class Cluster:
         self._owns_ray = False  # this cluster connected to Ray, and disconnects at stop
         self.core_share = CoreShare(cfg.device_share == "dedicated" and engine.device == "cpu", self._cores())
         self.lifecycle = Lifecycle(cfg, self.clock, self.log, self)
-        self.handoff = Handoff(cfg, self.clock, self.log, self.instances, self.finish, self.lifecycle.rerun)
+        self.handoff = Handoff(cfg, self.clock, self.log, self.instances, self.finish, self.lifecycle.rerun,
+                               self.lifecycle.recompute)
         self.predictor = OnlinePredictor(cfg)
         self.stops: Optional[StopChecker] = None
         self.loop_lag_s = 0.0
@@ -87,7 +88,11 @@ class Cluster:
         self._monitor = asyncio.create_task(self._monitor_loop(), name="cluster-monitor")
         self.started = True
 
-    async def stop(self) -> None:
+    async def stop(self, wait_s: Optional[float] = None) -> None:
+        """Abort every request, stop every instance (at once) and free its device. ``wait_s``:
+        how long to wait for the steps, copies and predictions still running on their threads
+        (None: as long as they take); what overruns it is left to end unseen (a server's bounded
+        exit; nothing it could write is read again)."""
         for rid in list(self.requests):
             self.abort(rid)
         self.lifecycle.stop()
@@ -95,10 +100,21 @@ class Cluster:
             self._monitor.cancel()
         for t in list(self._tasks):
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for inst in self.instances.values():
-            await inst.stop()
-        await asyncio.to_thread(self.predictor.close)
+        loop = asyncio.get_running_loop()
+        deadline = None if wait_s is None else loop.time() + wait_s
+        left = lambda: None if deadline is None else max(0.0, deadline - loop.time())  # noqa: E731
+        work = [asyncio.ensure_future(inst.stop()) for inst in self.instances.values()]
+        if self._tasks:
+            work.append(asyncio.ensure_future(asyncio.gather(*self._tasks, return_exceptions=True)))
+        if work:
+            done, pending = await asyncio.wait(work, timeout=left())
+            if pending:
+                self.log.log("stop_overran", None, f"{len(pending)} device or hand-over tasks still running")
+            for task in done:  # an instance that failed to stop: logged, the others still stop
+                if not task.cancelled() and task.exception() is not None:
+                    self.log.log("stop_failed", None, repr(task.exception()))
+        closing = asyncio.ensure_future(asyncio.to_thread(self.predictor.close))
+        await asyncio.wait([closing], timeout=left())
         if self._owns_ray:
             from aserve.engine import ray_runtime
 

@@ -6,10 +6,19 @@
                                                       emulated link time from netemu's LinkModel
     landed: the sender frees its blocks, the receiver queues the request (phase decode)
 
-A transfer that fails or times out frees the blocks reserved on the receiver and is retried on
-another decode instance (``transfer_retries`` times, then the request is re-run from its prompt).
-While a copy is in flight its destination blocks are being written: a re-run asked for meanwhile
-(the sender failed) waits until the copy has landed, so no reused block is ever written late.
+Failure handling, every step counted (``counts``):
+
+    attempt fails (the copy raised, ran past transfer_timeout_s, or the receiver went away)
+        └─► transfer_failures (+ transfer_timeouts) ─► frees what the receiver reserved ─►
+            retried on another decode instance (transfer_retries), then given up
+    no decode instance has room (or none is left) for lease_s ─► prefill_leases_expired, given up
+    given up ─► on_transfer_failure: recompute (transfer_recomputes: re-run from the prompt,
+                the tokens streamed so far kept) | fail (transfer_failed_requests: an error the
+                client can read); the sender's blocks are freed either way
+
+So prefilled KV is never held forever. While a copy is in flight its destination blocks are being
+written: a re-run asked for meanwhile (the sender failed) waits until the copy has landed, so no
+reused block is ever written late.
 """
 from __future__ import annotations
 
@@ -26,19 +35,24 @@ from scheduling.clock import Clock
 from scheduling.dispatch import NoDecodeInstance
 from scheduling.request import Request
 
+COUNTERS = ("transfer_failures", "transfer_timeouts", "transfer_retries", "transfer_recomputes",
+            "transfer_failed_requests", "prefill_leases_expired")
+
 
 class Handoff:
-    """Owns the links between instances and the transfers on them."""
+    """Owns the links between instances and the transfers on them. ``rerun`` re-runs a request
+    whose sender failed (the instance-failure policy); ``recompute`` re-runs one from its prompt."""
 
     def __init__(self, cfg: ClusterConfig, clock: Clock, log: EventLog, instances: dict[str, Instance],
-                 finish: Callable[..., None], rerun: Callable[[RequestHandle, str], None]):
+                 finish: Callable[..., None], rerun: Callable[[RequestHandle, str], None],
+                 recompute: Callable[[RequestHandle, str], None]):
         self.cfg, self.clock, self.log, self.instances = cfg, clock, log, instances
-        self._finish, self._rerun = finish, rerun
+        self._finish, self._rerun, self._recompute = finish, rerun, recompute
         self.links: dict[tuple[str, str], KVLink] = {}
         self.link_profile = parse_link(cfg.link)
         self.emulation = KVEmulation.from_args(cfg.emulate_model, cfg.emulate_kv_bytes_per_token)
-        self.counts = {"transfer_retries": 0}
-        self._faults = 0  # drills: transfers still to fail (inject_faults)
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self._faults: collections.deque = collections.deque()  # drills: ("fail" | seconds to stall) per transfer
         self._sending: collections.Counter = collections.Counter()  # instance id -> hand-overs from it
         self._receiving: collections.Counter = collections.Counter()  # instance id -> copies into it
         self._copying: set[str] = set()  # request ids whose copy is in flight
@@ -52,11 +66,12 @@ class Handoff:
     def receiving(self, instance_id: str) -> int:
         return self._receiving[instance_id]
 
-    def inject_faults(self, n: int = 1) -> None:
-        """Fault drill: the next ``n`` KV transfers, on whichever links they use, fail mid-way."""
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        self._faults = n
+    def inject_faults(self, n: int = 1, stall_s: Optional[float] = None) -> None:
+        """Fault drill: the next ``n`` KV transfers, on whichever links they use, fail mid-way
+        (or, with ``stall_s``, hang that long after their copy, as a stuck link would)."""
+        if n < 0 or (stall_s is not None and stall_s < 0):
+            raise ValueError(f"n and stall_s must be >= 0, got {n}, {stall_s}")
+        self._faults.extend(["fail" if stall_s is None else stall_s] * n)
 
     def forget_instance(self, instance_id: str) -> None:
         """A removed instance's links go with it."""
@@ -75,54 +90,87 @@ class Handoff:
         """Move the request's KV from ``src`` to a decode instance the dispatcher picks. If ``src``
         fails meanwhile the request has already been re-run (its epoch moved on) and this task only
         cleans up after itself."""
-        req, epoch = handle.request, handle.epoch
-        rid = req.request_id
-        tried: set[str] = set()
-        failures = 0
+        req = handle.request
         self._sending[src.id] += 1
         try:
-            while True:
-                if handle.epoch != epoch:
-                    return
-                if handle.aborted:
-                    src.abort(rid)
-                    self._finish(handle, "abort")
-                    return
-                dst = self._pick_decode(src, req, tried)
-                dst_blocks = dst.reserve_kv(req) if dst is not None else None
-                if dst_blocks is None:
-                    if tried and dst is None:
-                        tried.clear()  # every decode instance failed us once: try them all again
-                    await asyncio.sleep(self.cfg.monitor_interval_s / 10)  # every decode instance is full
-                    continue
-                ok = await self._transfer(src, dst, handle, dst_blocks)
-                why = self._rerun_after_copy.pop(rid, None)
-                if why is not None:  # src failed during the copy: the copy has landed, re-run now
-                    dst.abort(rid)
-                    self._rerun(handle, why)
-                    return
-                if handle.epoch != epoch:
-                    return
-                if ok and dst.state in ("active", "draining"):  # draining: it finishes what it holds
-                    break
-                dst.abort(rid)  # frees what was reserved there (a dead instance: harmless)
-                tried.add(dst.id)
-                failures += 1
-                self.log.log("transfer_retry", dst.id, f"{rid}: KV transfer to {dst.id} failed, retry {failures}")
-                self.counts["transfer_retries"] += 1
-                if failures > self.cfg.transfer_retries:
-                    src.abort(rid)
-                    self._rerun(handle, f"KV transfer failed {failures} times")
-                    return
+            dst = await self._move(src, handle)
         finally:
             self._sending[src.id] -= 1
-        src.release_kv(rid)
+        if dst is None:  # ended, re-run or given up: nothing of it is left on either side
+            return
+        src.release_kv(req.request_id)
         if handle.aborted:
-            dst.abort(rid)
+            dst.abort(req.request_id)
             self._finish(handle, "abort")
             return
         dst.accept_kv(req)
         handle.instance_id, handle.decode_instance, handle.phase = dst.id, dst.id, "decode"
+
+    async def _move(self, src: Instance, handle: RequestHandle) -> Optional[Instance]:
+        """Reserve, copy, retry; the decode instance the KV landed on, or None when the request
+        ended another way (aborted, re-run by a failure, or given up after retries or the lease)."""
+        req, epoch = handle.request, handle.epoch
+        rid = req.request_id
+        tried: set[str] = set()
+        failures, waiting_since = 0, None
+        while True:
+            if handle.epoch != epoch:
+                return None
+            if handle.aborted:
+                src.abort(rid)
+                self._finish(handle, "abort")
+                return None
+            dst = self._pick_decode(src, req, tried)
+            dst_blocks = dst.reserve_kv(req) if dst is not None else None
+            if dst_blocks is None:  # every decode instance is full (or none is left)
+                waiting_since = self.clock.now() if waiting_since is None else waiting_since
+                if not await self._wait_for_room(src, handle, waiting_since):
+                    return None
+                if tried and dst is None:
+                    tried.clear()  # every decode instance failed us once: try them all again
+                continue
+            waiting_since = None
+            error = await self._transfer(src, dst, handle, dst_blocks)
+            why = self._rerun_after_copy.pop(rid, None)
+            if why is not None:  # src failed during the copy: the copy has landed, re-run now
+                dst.abort(rid)
+                self._rerun(handle, why)
+                return None
+            if handle.epoch != epoch:
+                return None
+            if error is None and dst.state not in ("active", "draining"):  # draining: it finishes what it holds
+                error = f"the receiver {dst.id} is {dst.state}"
+            if error is None:
+                return dst
+            dst.abort(rid)  # frees what was reserved there (a dead instance: harmless)
+            tried.add(dst.id)
+            failures += 1
+            self.counts["transfer_failures"] += 1
+            if failures > self.cfg.transfer_retries:
+                self._give_up(src, handle, f"its KV transfer failed {failures} times (last: {error})")
+                return None
+            self.counts["transfer_retries"] += 1
+            self.log.log("transfer_retry", dst.id, f"{rid}: KV transfer to {dst.id} failed ({error}), retry {failures}")
+
+    async def _wait_for_room(self, src: Instance, handle: RequestHandle, since: float) -> bool:
+        """Wait a moment for a decode instance with room; False once the lease has run out (the
+        KV is released and the request given up): prefilled KV is never held forever."""
+        if self.clock.now() - since >= self.cfg.lease_s:
+            self.counts["prefill_leases_expired"] += 1
+            self._give_up(src, handle, f"no decode instance had room for it within the {self.cfg.lease_s:g} s lease")
+            return False
+        await asyncio.sleep(self.cfg.monitor_interval_s / 10)
+        return True
+
+    def _give_up(self, src: Instance, handle: RequestHandle, why: str) -> None:
+        """The KV cannot be handed over: free it on the sender, then recompute or fail the request."""
+        src.abort(handle.request.request_id)
+        if self.cfg.on_transfer_failure == "fail":
+            self.counts["transfer_failed_requests"] += 1
+            self._finish(handle, "error", error=f"the KV cache could not be handed to a decode instance: {why}")
+            return
+        self.counts["transfer_recomputes"] += 1
+        self._recompute(handle, f"KV hand-over given up: {why}")
 
     def _pick_decode(self, src: Instance, req: Request, tried: set) -> Optional[Instance]:
         try:
@@ -137,31 +185,35 @@ class Handoff:
             return min(others, key=lambda i: (i.num_requests, i.id)) if others else None
         return dst
 
-    async def _transfer(self, src: Instance, dst: Instance, handle: RequestHandle, dst_blocks: list[int]) -> bool:
-        """One KV copy over the link, bounded by ``transfer_timeout_s``; False if it failed."""
+    async def _transfer(self, src: Instance, dst: Instance, handle: RequestHandle, dst_blocks: list[int]) -> Optional[str]:
+        """One KV copy over the link, bounded by ``transfer_timeout_s``; why it failed, or None."""
         req = handle.request
         req.times["transfer_start"] = self.clock.now()
         self._receiving[dst.id] += 1
         self._copying.add(req.request_id)
         link = self._link(src, dst)
         if self._faults:
-            self._faults -= 1
-            link.fail_next(1)
+            fault = self._faults.popleft()
+            link.fail_next(1) if fault == "fail" else link.stall_next(1, fault)
         try:
             # a timeout cancels the copy; the link lets a copy already running land first
             record = await asyncio.wait_for(
                 src.device.send_kv(req.request_id, req.block_ids, dst.device, dst_blocks, link,
                                    num_tokens=req.num_computed_tokens),
                 self.cfg.transfer_timeout_s)
-        except (TransferError, asyncio.TimeoutError) as e:
+        except asyncio.TimeoutError:
+            self.counts["transfer_timeouts"] += 1
+            req.times["transfer_error"] = f"timed out after {self.cfg.transfer_timeout_s:g} s"
+            return req.times["transfer_error"]
+        except TransferError as e:
             req.times["transfer_error"] = f"{type(e).__name__}: {e}"
-            return False
+            return req.times["transfer_error"]
         finally:
             self._receiving[dst.id] -= 1
             self._copying.discard(req.request_id)
         req.times["transfer_end"] = self.clock.now()
         req.times["transfer_real_s"] = record.real_copy_s
-        return True
+        return None
 
     def _link(self, src: Instance, dst: Instance) -> KVLink:
         key = (src.id, dst.id)

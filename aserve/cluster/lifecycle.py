@@ -17,7 +17,7 @@ Failure: a step that raises, or a loop that dies, reaches ``on_failure``. The in
 healthy instance (``on_failure="rerun"``, the default) keeping the tokens already streamed, so
 the client sees only latency; with no healthy instance left (or ``on_failure="error"``) it ends
 with a clear error. Decode-side blocks reserved for KV that never arrives are reclaimed after
-``lease_s``.
+``lease_s`` (the prefill side's bound on held KV is the hand-over's, aserve/cluster/handoff.py).
 
 ``Lifecycle`` is composed into the cluster and reaches it through ``ControlPlane`` only.
 """
@@ -78,7 +78,7 @@ class Lifecycle:
         # them streams again or ends)
         self.failure_log: list[dict] = []
         self._recovering: dict[str, dict] = {}  # request id -> its failure's record
-        self.counts = {"flips": 0, "reruns": 0, "reclaimed": 0, "instance_failures": 0}
+        self.counts = {"flips": 0, "reruns": 0, "decode_leases_expired": 0, "instance_failures": 0}
         self.flip_policy = registry.get("flip", cfg.flip)(**self._flip_options())
         self._watcher: Optional[asyncio.Task] = None
         self._next_instance = 0
@@ -295,16 +295,22 @@ class Lifecycle:
                                                           f"again (or ended) {record['recovered_s'] * 1e3:.0f} ms on")
 
     def rerun(self, handle: RequestHandle, why: str) -> None:
+        """A request whose instance failed: recompute it (``on_failure="rerun"``) or end it with
+        the error (``"error"``)."""
+        if self.plane.handoff.defer_rerun(handle.request.request_id, why):
+            return  # its KV is landing on a decode instance: the hand-over re-runs it once it has
+        if self.cfg.on_failure == "error":
+            handle.epoch += 1
+            self.plane.finish(handle, "error", error=why)
+            return
+        self.recompute(handle, why)
+
+    def recompute(self, handle: RequestHandle, why: str) -> None:
         """Start the request again from its prompt on a healthy instance (its KV is gone). The
         tokens already streamed stay: they are recomputed with the prompt, and generation goes on
         after them, so the client sees a pause, not a restart."""
         req = handle.request
-        if self.plane.handoff.defer_rerun(req.request_id, why):
-            return  # its KV is landing on a decode instance: the hand-over re-runs it once it has
         handle.epoch += 1
-        if self.cfg.on_failure == "error":
-            self.plane.finish(handle, "error", error=why)
-            return
         for inst in self.plane.instances.values():  # a handoff's reservation for it, wherever it is
             if inst.reserves_kv_for(req.request_id):
                 inst.abort(req.request_id)
@@ -323,5 +329,5 @@ class Lifecycle:
             if inst.role != "decode" or inst.state == "failed":
                 continue
             for rid in inst.reclaim_kv(self.cfg.lease_s, keep=moving):
-                self.counts["reclaimed"] += 1
+                self.counts["decode_leases_expired"] += 1
                 self.log.log("lease_expired", inst.id, f"freed the blocks reserved for {rid}")

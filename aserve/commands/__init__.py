@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aserve.commands import bench, generate, monitor, predictor, profile, replay, serve
+from aserve.commands import bench, generate, monitor, predictor, profile, replay, serve, soak
 
 EXIT_USAGE = 2
-COMMANDS = (generate, bench, profile, serve, replay, predictor, monitor)
+COMMANDS = (generate, bench, profile, serve, replay, predictor, monitor, soak)
 
 
 def build_parser() -> argparse.ArgumentParser:

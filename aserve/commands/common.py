@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "sim:local = this machine's measured engine, or sim:FILE.json)")
     g.add_argument("--attention", default="auto",
                    help="attention backend: auto | reference | sdpa | native | flash (auto: native on CPU, flash or sdpa on CUDA)")
+    g.add_argument("--kernels", default="auto",
+                   help="aserve's C++ CPU kernels: auto (where they build) | native | unfused (ours, one call per op) "
+                        "| fallback (torch's own ops only; attention auto -> sdpa)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool size per instance, GiB")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -96,8 +99,14 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
     g.add_argument("--flip-idle", type=float, default=60.0, help="idle flips: seconds an instance must be idle")
     g.add_argument("--on-failure", default="rerun", help="a failed instance's requests: rerun | error")
     g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds before a KV transfer is retried")
+    g.add_argument("--transfer-retries", type=int, default=2,
+                   help="a failed or timed-out KV transfer is tried again on another decode instance this many times")
+    g.add_argument("--on-transfer-failure", default="recompute",
+                   help="a KV hand-over that cannot happen (retries spent, or --lease ran out): recompute "
+                        "(re-run from the prompt) | fail (end the request with a readable error)")
     g.add_argument("--lease", type=float, default=60.0,
-                   help="seconds before decode blocks reserved for KV that never came are freed")
+                   help="seconds KV may be held for a hand-over that has not happened: decode blocks reserved "
+                        "for KV that never came are freed; prefilled KV no decode instance had room for is released")
     g.add_argument("--cluster", dest="backend", default="local", metavar="local|ray[:ADDRESS]",
                    help="where instances run: local (threads of this process) | ray (one Ray actor each, a local Ray "
                         "sized to this machine) | ray:ADDRESS (join the Ray cluster at ADDRESS, or ray:auto; docs/RAY.md)")
@@ -171,6 +180,7 @@ def cluster_config(a: argparse.Namespace):
                          emulate_kv_bytes_per_token=a.emulate_kv_bytes_per_token,
                          monitor_interval_s=a.monitor_interval, flip=a.flip, flip_window_s=a.flip_window,
                          flip_idle_s=a.flip_idle, on_failure=a.on_failure, transfer_timeout_s=a.transfer_timeout,
+                         transfer_retries=a.transfer_retries, on_transfer_failure=a.on_transfer_failure,
                          lease_s=a.lease, device_share=a.device_share, backend=a.backend,
                          actor_start_timeout_s=a.actor_start_timeout, seed=a.seed)
 
@@ -187,7 +197,8 @@ def engine_config(a: argparse.Namespace, context: Optional[int] = None, derive: 
     budget = a.max_num_batched_tokens
     if budget is None:
         budget = default_token_budget(a, context) if derive else DEFAULT_TOKEN_BUDGET
-    return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention, block_size=a.block_size,
+    return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention, kernels=a.kernels,
+                        block_size=a.block_size,
                         kv_cache_gb=a.kv_cache_gb, max_num_batched_tokens=budget,
                         max_num_seqs=a.max_num_seqs, batching=a.batching, swap_gb=a.swap_gb,
                         swap_dtype=a.swap_dtype, num_threads=a.threads, cache_dir=a.cache_dir, seed=a.seed)

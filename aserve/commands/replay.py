@@ -6,7 +6,7 @@
 
 ``--compare`` items are parsed with the same engine and cluster flags (add_engine_args,
 add_cluster_args) on top of the command line's own values; flags that change the model
-bundle (model, dtype, device, attention, cache dir) may not differ between systems, since the
+bundle (model, dtype, device, attention, kernels, cache dir) may not differ between systems, since the
 bundle is loaded once and shared.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Optional
 from aserve.commands.common import add_cluster_args, add_engine_args, bundle_engine, cluster_config, engine_config
 from aserve.event_loop import run as run_loop
 
-BUNDLE_FLAGS = ("model", "dtype", "device", "attention", "cache_dir")
+BUNDLE_FLAGS = ("model", "dtype", "device", "attention", "kernels", "cache_dir")
 
 
 def _system_parser() -> argparse.ArgumentParser:

@@ -8,10 +8,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 from typing import Optional
 
 from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config, engine_config
 from aserve.event_loop import run as run_loop
+
+# After SIGINT/SIGTERM the process is gone within --shutdown-timeout + EXIT_MARGIN_S on any machine:
+# the drain's own waits are bounded (aserve/api/server.py), the cluster waits STOP_WAIT_S at most
+# for the steps and copies still on device threads, and past EXIT_DEADLINE_S the process leaves
+# without waiting for threads that are still busy (a step that will not end, on some machine).
+EXIT_MARGIN_S = 5.0
+STOP_WAIT_S = 1.5
+EXIT_DEADLINE_S = EXIT_MARGIN_S - 0.5
+EXIT_OVERRAN = 1
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -58,6 +68,24 @@ async def _serve(engine, cluster_cfg, settings, host: str, port: int,
     from aserve.cluster.cluster import Cluster
 
     print(f"aserve: loading {model_arg} ...", file=sys.stderr, flush=True)
-    async with Cluster(engine, cluster_cfg) as cluster:
+    cluster = Cluster(engine, cluster_cfg)
+    await cluster.start()
+    try:
         name = served_name or cluster.bundle.path.name
-        await run_server(cluster, name, settings, host, port, aliases=(model_arg,), tui=tui)
+        await run_server(cluster, name, settings, host, port, aliases=(model_arg,), tui=tui,
+                         on_stop=lambda: _exit_deadline(settings.shutdown_timeout_s + EXIT_DEADLINE_S))
+    finally:
+        await cluster.stop(wait_s=STOP_WAIT_S)
+
+
+def _exit_deadline(seconds: float) -> None:
+    """The bounded exit's last resort, armed when the drain begins: a process still here
+    ``seconds`` later (its drain is long over) leaves without waiting for busy threads."""
+    def leave() -> None:
+        print(f"aserve: shutdown overran {seconds:g} s; exiting without waiting for work still running on "
+              "device threads", file=sys.stderr, flush=True)
+        os._exit(EXIT_OVERRAN)
+
+    timer = threading.Timer(seconds, leave)
+    timer.daemon = True  # a normal exit does not wait for it
+    timer.start()

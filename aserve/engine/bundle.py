@@ -8,6 +8,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from aserve.config import EngineConfig
+from model import native
 from model.attention import pick_backend
 from model.config import ModelArgs
 from model.loader import chat_token_ids, load_model, pick_dtype, read_config, resolve_model
@@ -38,9 +39,17 @@ class ModelBundle:
         hf_cfg = read_config(path)
         args = ModelArgs.from_hf(hf_cfg)
         dtype = pick_dtype(cfg.dtype, cfg.device)
-        model = model or load_model(path, dtype, cfg.device, pick_backend(cfg.attention, cfg.device))
+        if model is None:
+            kernels = native.resolve_kernels(cfg.kernels, cfg.device)
+            backend = pick_backend(cfg.attention, cfg.device, native_ok=kernels != "fallback")
+            model = load_model(path, dtype, cfg.device, backend, kernels)
         tokenizer = AutoTokenizer.from_pretrained(path)
         return ModelBundle(path, args, model, tokenizer, dtype, cfg.device)
+
+    @property
+    def kernels(self) -> str:
+        """Which kernels the model runs on: native, unfused or fallback (``native.use_kernels``)."""
+        return getattr(self.model, "kernels", "unknown")
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -155,6 +155,9 @@ class Instance:
                 await self.task
             except asyncio.CancelledError:
                 pass
+        # a cancelled task keeps its exception, whose frames hold this instance: without this the
+        # instance, its device and its KV pool would live on as a cycle until a full GC
+        self.task = None
 
     async def stop(self) -> None:
         await self.halt()

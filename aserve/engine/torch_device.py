@@ -127,7 +127,9 @@ class TorchDevice(Device):
         return self._copier
 
     async def close(self) -> None:
-        """Wait for the step and copy in flight (off the loop), then stop the device's threads."""
+        """Wait for the step and copy in flight (off the loop), stop the device's threads, and let
+        the KV pool go now (a removed instance's memory comes back at once, whoever refers to it)."""
         for pool in (self._copier, self.executor):
             if pool is not None:
                 await asyncio.to_thread(pool.shutdown, True)
+        self.runner = self.kv = None

@@ -1,0 +1,108 @@
+"""``aserve soak`` (aserve/soak/): its pieces on made-up data, then a 2-minute soak on the real
+default model, 2 prefill + 2 decode instances, every fault on: no request lost, no block leaked."""
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from aserve.replay.traces import Trace, TraceRequest
+from aserve.soak.client import SoakRecord, cycle
+from aserve.soak.report import build_report, requests_summary
+from aserve.soak.settings import FAULTS, SoakConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _trace(arrivals) -> Trace:
+    return Trace(tuple(TraceRequest(a, 10, 5) for a in arrivals), "test", "test")
+
+
+def test_the_trace_is_cycled_for_the_duration():
+    """Three arrivals 1 s apart make a 3 s span (last arrival plus the mean gap), repeated."""
+    got = [(i, at) for i, at, _ in cycle(_trace([0.0, 1.0, 2.0]), 7.0)]
+    assert got == [(0, 0.0), (1, 1.0), (2, 2.0), (0, 3.0), (1, 4.0), (2, 5.0), (0, 6.0)]
+    with pytest.raises(ValueError, match="give --rate"):
+        list(cycle(_trace([0.0, 0.0]), 5.0))
+
+
+def test_soak_settings_are_checked():
+    cfg = SoakConfig(duration_s=1800)
+    assert cfg.warmup == 60.0 and SoakConfig(duration_s=120).warmup == 12.0
+    assert cfg.faults_for("coupled") == ("kill",) and cfg.faults_for("disagg") == FAULTS
+    with pytest.raises(ValueError, match="duration_s must be > 0"):
+        SoakConfig(duration_s=0)
+    with pytest.raises(ValueError, match="unknown fault 'meteor'"):
+        SoakConfig(duration_s=10, faults=("kill", "meteor"))
+    with pytest.raises(ValueError, match="cut_fraction must be in"):
+        SoakConfig(duration_s=10, cut_fraction=1.5)
+    with pytest.raises(ValueError, match="readd_after_s must be a range"):
+        SoakConfig(duration_s=10, readd_after_s=(5.0, 1.0))
+    with pytest.raises(ValueError, match="warmup_s must be in"):
+        SoakConfig(duration_s=10, warmup_s=10)
+
+
+def _record(i, outcome, plan="complete", server_id=None, usage=5, error=None):
+    return SoakRecord(i, float(i), 10, 5, True, plan, outcome=outcome, usage_tokens=usage,
+                      server_id=server_id or f"cmpl-{i}", error=error)
+
+
+def test_lost_counts_the_client_and_the_table_once_each():
+    records = [_record(0, "completed"), _record(1, "lost", error="the stream ended without [DONE]"),
+               _record(2, "aborted", plan="abort"), _record(3, "aborted"), _record(4, "errored", error="HTTP 500: x"),
+               _record(5, "completed", usage=3), _record(6, "disconnected", plan="disconnect")]
+    got = requests_summary(records, leftover=["cmpl-1", "cmpl-9"])
+    assert (got["sent"], got["completed"], got["errored"], got["aborted"], got["disconnected"]) == (7, 2, 1, 2, 1)
+    assert got["lost"] == 2  # cmpl-1 once (the client saw it too), cmpl-9 left in the table
+    assert got["unasked_aborts"] == 1 and got["wrong_length"] == 1
+    assert got["top_errors"] == [("HTTP 500: x", 1)]
+
+
+class _NoFaults:
+    counts, events = {"kill": 1}, [(3.0, "kill", "d2")]
+
+    def kill_report(self):
+        return [{"instance": "d2", "role": "decode", "at_s": 3.0, "requests_hit": 2, "recovery_s": 0.4}]
+
+
+def test_report_figures_and_invariants(tmp_path):
+    from aserve.soak.report import write_plot
+
+    samples = [{"t": t, "rss_bytes": 1000 + (50 if t >= 5 else 0), "open_sockets": 10, "server_connections": 2,
+                "requests": 1, "loop_lag_s": 0.01 * t, "free_blocks": {"p0": 100, "d2": 90}, "states": {}}
+               for t in range(10)]
+    end = {"leftover_requests": [], "leaked_blocks": {"p0": 0, "d2": 0}, "links_in_flight": 0}
+    report = build_report({"system": "t", "duration_s": 10.0}, [_record(0, "completed")], end, samples,
+                          [0.001] * 98 + [0.2, 0.3], _NoFaults(), {"disconnect": 0}, warmup_s=5.0)
+    assert report["lost"] == 0 and report["leaked_blocks"] == 0 and report["ok"]
+    assert report["rss_growth"] == 0.0 and report["rss_after_warmup_bytes"] == 1050  # measured after the warm-up
+    assert report["loop_lag_max_s"] == 0.3 and report["loop_lag_p99_s"] == pytest.approx(0.201, abs=1e-3)
+    assert not report["invariants"]["loop_lag_p99_s"]["ok"] and report["invariants"]["rss_growth"]["ok"]
+    assert report["max_recovery_s"] == 0.4 and report["faults"] == {"disconnect": 0, "kill": 1}
+    json.dumps(report)  # plain JSON values only
+    assert write_plot(report, tmp_path / "soak.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_two_minute_soak_loses_nothing_and_leaks_nothing(tmp_path):
+    """The issue's 2-minute soak: 2 prefill + 2 decode instances over the Mixed workload (lengths
+    scaled to fit two cores), every server-side fault every few seconds, a third of the requests
+    cut. Asserts lost == 0 and leaked_blocks == 0; the other figures are reported, not asserted
+    (RSS and loop lag need the 30-minute run on a quiet machine)."""
+    from aserve.commands import main
+
+    out, plot = tmp_path / "soak.json", tmp_path / "soak.png"
+    code = main(["soak", str(ROOT / "traces" / "Mixed.jsonl"), "--duration", "120", "--json", str(out),
+                 "--plot", str(plot), "--length-scale", "0.05", "--max-output-tokens", "64", "--rate", "1.5",
+                 "--mode", "disagg", "--prefill", "2", "--decode", "2", "--kv-cache-gb", "0.1", "--threads", "2",
+                 "--chunk-size", "128", "--transfer-timeout", "1", "--lease", "10", "--fault-interval", "4",
+                 "--readd-after", "2", "6", "--drain-timeout", "60"])
+    report = json.loads(out.read_text())
+    assert report["lost"] == 0, report["lost_examples"]
+    assert report["leaked_blocks"] == 0, report["leaked_by_instance"]
+    assert code == 0 and plot.stat().st_size > 10_000
+    assert report["completed"] > 50 and report["disconnected"] > 0 and report["aborted"] > 0
+    for kind in ("kill", "readd", "transfer_fail", "transfer_stall"):
+        assert report["faults"].get(kind, 0) > 0, (kind, report["faults"])
+    assert report["kills"] and all(k["recovery_s"] is not None for k in report["kills"])
+    assert report["cluster_counts"]["transfer_failures"] > 0 and report["cluster_counts"]["instance_failures"] > 0
