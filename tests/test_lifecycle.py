@@ -98,7 +98,7 @@ def test_on_failure_error_ends_a_killed_instances_requests_with_its_reason(workl
             async def kill(cl):
                 assert cl.instances["d2"].num_requests > 0, "the drill must hit a busy instance"
                 cl.lifecycle.kill("d2", "drill: worker killed")
-            results = await stream_all(cl, ids, kill)
+            results = await stream_all(cl, ids, SP, kill)
             failed = [err for _, reason, err in results if reason == "error"]
             assert failed and all(err == "instance d2 failed: drill: worker killed" for err in failed)
             for (toks, reason, err), w in zip(results, want):

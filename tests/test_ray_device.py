@@ -33,17 +33,19 @@ def test_export_import_confirm_moves_the_blocks(bundle):
     a, b = host(bundle, "p0"), host(bundle, "d1")
     a.device.kv.pool.copy_(torch.randn(a.device.kv.pool.shape))
 
+    src_pool, dst_pool, block_bytes = a.device.kv.pool, b.device.kv.pool, b.device.kv.block_bytes
+
     async def run():
         refs = await a.export_kv("r", [3, 5, 4])
         assert a.held()["exports"] == {"r": 3 * a.device.kv.block_bytes}
         nbytes = await b.import_kv("r", refs, [7, 1, 2], sender=a)
-        await a.close()
+        await a.close()  # closing lets the pools go: the test keeps its own references
         await b.close()
         return nbytes
 
-    assert asyncio.run(run()) == 3 * b.device.kv.block_bytes
-    assert torch.equal(b.device.kv.pool[:, :, [7, 1, 2]], a.device.kv.pool[:, :, [3, 5, 4]])
-    assert not b.device.kv.pool[:, :, [0, 3, 4, 5, 6]].any()  # nothing else written
+    assert asyncio.run(run()) == 3 * block_bytes
+    assert torch.equal(dst_pool[:, :, [7, 1, 2]], src_pool[:, :, [3, 5, 4]])
+    assert not dst_pool[:, :, [0, 3, 4, 5, 6]].any()  # nothing else written
     assert a.held() == {"exports": {}, "exported": 1, "confirmed": 1, "expired": 0, "imported": 0}
     assert b.held()["imported"] == 1
 
