@@ -81,22 +81,26 @@ class OraclePredictor(LengthPredictor):
                          f"{ORACLE_ATTR!r}, fit the oracle on labelled examples, or use ignore_eos")
 
     def predict(self, requests: Sequence[Item]) -> list[LengthRange]:
-        out = []
-        for r in requests:
-            n, cap = self.true_length(r), max_tokens_of(r)
-            if cap is not None:
-                n = min(n, cap)
-            out.append(self.buckets.to_range(self.buckets.bucket_of(n), 1.0, cap))
-        return out
+        return [self.answer(r) for r in requests]
+
+    def answer(self, r: Item) -> LengthRange:
+        """The bucket of ``r``'s true length (within its ``max_tokens``), with probability 1."""
+        bucket, cap = self.true_bucket(r)
+        return self.buckets.to_range(bucket, 1.0, cap)
+
+    def true_bucket(self, r: Item) -> tuple[int, Optional[int]]:
+        n, cap = self.true_length(r), max_tokens_of(r)
+        return self.buckets.bucket_of(n if cap is None else min(n, cap)), cap
 
 
 class SetAccuracyPredictor(OraclePredictor):
     """The true bucket with probability ``accuracy``, else a wrong one drawn as a real predictor
     errs: by its distance from the true bucket, with the frequencies of ``confusion`` (a
     [true][predicted] count matrix from ``aserve predictor eval``; default: the shipped one of the
-    ``sklearn`` backend at granularity 200 on the held-out prompts, data/confusion_sklearn_g200.json). A simulation's predictor: it knows
-    the true length as the oracle does (replays set it) and blurs it to a stated accuracy, so the
-    schedulers can be measured at the paper's 74.9% and at 100% (TetriInfer Fig. 18).
+    ``sklearn`` backend at granularity 200 on the held-out prompts, data/confusion_sklearn_g200.json).
+    A simulation's predictor: it knows the true length as the oracle does (replays set it) and
+    blurs it to a stated accuracy, so the schedulers can be measured at the paper's 74.9% and at
+    100% (TetriInfer Fig. 18).
 
     Deterministic: each request's draw depends on ``seed`` and its id only.
     """
@@ -111,14 +115,9 @@ class SetAccuracyPredictor(OraclePredictor):
         self.accuracy, self.seed = float(accuracy), int(seed)
         self.offsets = error_offsets(_read_confusion(confusion or DEFAULT_CONFUSION))
 
-    def predict(self, requests: Sequence[Item]) -> list[LengthRange]:
-        out = []
-        for r in requests:
-            n, cap = self.true_length(r), max_tokens_of(r)
-            if cap is not None:
-                n = min(n, cap)
-            out.append(self.buckets.to_range(self.blur(self.buckets.bucket_of(n), r.request_id), self.accuracy, cap))
-        return out
+    def answer(self, r: Item) -> LengthRange:
+        bucket, cap = self.true_bucket(r)
+        return self.buckets.to_range(self.blur(bucket, r.request_id), self.accuracy, cap)
 
     def blur(self, bucket: int, request_id: str) -> int:
         """``bucket``, or with probability ``1 - accuracy`` a wrong bucket within range."""
