@@ -24,7 +24,7 @@ serve: $(STAMP)
 	$(VENV)/bin/aserve serve $(ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -ra $(ARGS)
+	$(VENV)/bin/python -m pytest -q -ra --durations=15 $(ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/aserve bench engine --json docs/bench_engine.json

@@ -95,7 +95,10 @@ def test_decode_preemption_keeps_greedy_output(bundle, preemption):
 def test_cli_generate_disagg_equals_offline(capsys):
     from aserve.commands import main
 
-    q = ["generate", "--chat", "What is the capital of France?", "--max-tokens", "12", "--dtype", "fp32"]
+    # settings given, so nothing is profiled: fp32 has no measured profile, and two (offline at 2 threads,
+    # four instances at 1) cost this test two minutes on a fresh machine (test_profile_budget measures one)
+    q = ["generate", "--chat", "What is the capital of France?", "--max-tokens", "12", "--dtype", "fp32",
+         "--chunk-size", "64", "--max-num-batched-tokens", "512"]
     assert main(q) == 0
     offline = capsys.readouterr().out
     assert main(q + ["--mode", "disagg", "--prefill", "2", "--decode", "2"]) == 0

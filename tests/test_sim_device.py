@@ -68,6 +68,9 @@ def test_disaggregated_sim_replay_is_deterministic_and_charges_the_link(tmp_path
     (s,), (t,) = a.values(), b.values()
     assert {k: v for k, v in s.items() if k not in host} == {k: v for k, v in t.items() if k not in host}
     assert s["completed"] == 12 and s["kv_bytes_moved"] == 0  # no bytes move in a simulation
+    # ... but the link is charged OPT-13B's KV (819,200 B a token) for every prompt handed over
+    assert s["kv_bytes_charged"] >= 819_200 * sum(r["prompt_tokens"] for r in trace)
+    assert s["kv_bytes_charged"] % 819_200 == 0
     assert s["simulated_s_per_wall_s"] > 1
 
 

@@ -195,11 +195,12 @@ def _counters(cluster) -> dict:
             for iid, i in cluster.instances.items()}
 
 
-KV_TOTALS = ("bytes", "num_done", "real_copy_s", "emulated_s")
+KV_TOTALS = ("bytes", "emulated_bytes", "num_done", "real_copy_s", "emulated_s")
 
 
 def _kv_totals(cluster) -> dict:
-    """KV hand-overs so far, over every link: bytes, transfers, real copy and emulated seconds."""
+    """KV hand-overs so far, over every link: bytes copied, bytes the link was charged (a
+    simulated device copies none), transfers, real copy and emulated seconds."""
     stats = [link.stats() for link in cluster.handoff.links.values()]
     return {k: sum(s.get(k, 0) for s in stats) for k in KV_TOTALS}
 

@@ -193,12 +193,15 @@ def _simulated(run: SystemRun) -> bool:
 
 
 def _kv_summary(kv: Optional[dict]) -> dict:
-    """Real and emulated transfer time of the hand-overs, and the real copy's throughput."""
+    """Real and emulated transfer time of the hand-overs, the bytes the link was charged (a
+    simulated device's hand-overs copy nothing but are charged their KV's size), and the real
+    copy's throughput."""
     if not kv or not kv.get("num_done"):
-        return {"kv_transfers": (kv or {}).get("num_done"), "kv_real_s": None, "kv_emulated_s": None,
-                "kv_real_bytes_per_s": None}
+        return {"kv_transfers": (kv or {}).get("num_done"), "kv_bytes_charged": None, "kv_real_s": None,
+                "kv_emulated_s": None, "kv_real_bytes_per_s": None}
     real = kv["real_copy_s"]
-    return {"kv_transfers": int(kv["num_done"]), "kv_real_s": real, "kv_emulated_s": kv["emulated_s"],
+    return {"kv_transfers": int(kv["num_done"]), "kv_bytes_charged": int(kv.get("emulated_bytes", 0)),
+            "kv_real_s": real, "kv_emulated_s": kv["emulated_s"],
             "kv_real_bytes_per_s": kv["bytes"] / real if real > 0 else None}
 
 
@@ -260,6 +263,7 @@ _SCALAR_ROWS = (("throughput req/s", "throughput_rps", "{:.3f}"), ("output token
                 ("goodput req/s", "goodput_rps", "{:.3f}"), ("resource usage s", "resource_usage_s", "{:.2f}"),
                 ("perf/$ vs first", "perf_per_dollar_vs_first", "{:.2f}"), ("padding tokens", "padding_tokens", "{:d}"),
                 ("KV bytes moved", "kv_bytes_moved", "{:,d}"),
+                ("KV bytes on the link", "kv_bytes_charged", "{:,d}"),
                 ("KV transfer s, real (sum)", "kv_real_s", "{:.3f}"),
                 ("KV transfer s, emulated (sum)", "kv_emulated_s", "{:.3f}"),
                 ("KV real copy bytes/s", "kv_real_bytes_per_s", "{:,.0f}"), ("flips", "flips", "{:d}"),
