@@ -67,7 +67,8 @@ class Served:
 @pytest.fixture
 def served(kernels):
     cmd = [sys.executable, "cli.py", "serve", "--mode", "disagg", "--prefill", "1", "--decode", "1", "--port", "0",
-           "--kv-cache-gb", "0.1", "--threads", "2", "--shutdown-timeout", str(SHUTDOWN_S), "--kernels", kernels]
+           "--kv-cache-gb", "0.1", "--threads", "2", "--shutdown-timeout", str(SHUTDOWN_S), "--kernels", kernels,
+           "--chunk-size", "64", "--max-num-batched-tokens", "512"]  # settings given: nothing to profile first
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     s = Served(proc)
