@@ -53,7 +53,10 @@ def test_rate_is_searched_not_given(tmp_path):
 def test_capacity_on_the_default_model(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"prompt_tokens": 24 + 8 * i, "output_tokens": 6}) + "\n" for i in range(6)))
-    common = ["--rate-lo", "0.5", "--rate-hi", "50", "--steps", "0", "--kv-cache-gb", "0.05", "--no-progress"]
+    # chunk and budget given: the search is under test, not the derivation (which profiles the engine
+    # at every thread count on a fresh machine)
+    common = ["--rate-lo", "0.5", "--rate-hi", "50", "--steps", "0", "--kv-cache-gb", "0.05", "--no-progress",
+              "--chunk-size", "64", "--max-num-batched-tokens", "512"]
     out = tmp_path / "easy.json"
     a = capacity_args(trace, "--compare", "one: --mode coupled --instances 1", "--tbt-p99", "30", "--delay-p50", "30",
                       "--json", out, *common)

@@ -124,8 +124,9 @@ def test_swap_dtype_is_checked_and_set_by_the_cli():
     with pytest.raises(ValueError, match="swap_dtype 'fp8'"):
         EngineConfig(swap_dtype="fp8")
     a = build_parser().parse_args(["bench", "swap-int8", "--swap-dtype", "int8"])
-    assert engine_config(a).swap_dtype == "int8"
-    assert engine_config(build_parser().parse_args(["bench", "swap-int8"])).swap_dtype == "same"
+    # derive=False: the dtype flag is under test, not the token budget (derived, it profiles the engine)
+    assert engine_config(a, derive=False).swap_dtype == "int8"
+    assert engine_config(build_parser().parse_args(["bench", "swap-int8"]), derive=False).swap_dtype == "same"
 
 
 def test_token_agreement_counts_up_to_the_first_divergence():

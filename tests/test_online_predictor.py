@@ -240,7 +240,7 @@ def test_prefill_features_need_a_backbone_that_is_the_served_model(tmp_path):
     with pytest.raises(ValueError, match="backbone is not the served model's first layers"):
         online.load(served_model=("default", tmp_path), at_handoff=True)
     assert cluster_config(build_parser().parse_args(
-        ["serve", "--predictor-features", "prompt"])).predictor_features == "prompt"
+        ["serve", "--chunk-size", "64", "--predictor-features", "prompt"])).predictor_features == "prompt"
 
 
 class Broken(LengthPredictor):

@@ -41,7 +41,7 @@ def replayed(tmp_path_factory):
     args = parser().parse_args([
         "replay", str(trace), "--prompts", str(prompts), "--max-output-tokens", "7",
         "--compare", "tetri: --mode disagg --prefill 1 --decode 1 ; vllm: --mode coupled --instances 2 --batching vllm",
-        "--kv-cache-gb", "0.05", "--chunk-size", "128", "--json", str(tmp / "out.json"), "--plots", str(tmp / "plots"),
+        "--kv-cache-gb", "0.05", "--chunk-size", "128", "--max-num-batched-tokens", "512", "--json", str(tmp / "out.json"), "--plots", str(tmp / "plots"),
         "--slo", "ttft=30,tbt=5", "--no-progress"])
     rc = args.func(args)
     return rc, json.loads((tmp / "out.json").read_text()), tmp

@@ -95,7 +95,8 @@ def test_two_minute_soak_loses_nothing_and_leaks_nothing(tmp_path):
     code = main(["soak", str(ROOT / "traces" / "Mixed.jsonl"), "--duration", "120", "--json", str(out),
                  "--plot", str(plot), "--length-scale", "0.05", "--max-output-tokens", "64", "--rate", "1.5",
                  "--mode", "disagg", "--prefill", "2", "--decode", "2", "--kv-cache-gb", "0.1", "--threads", "2",
-                 "--chunk-size", "128", "--transfer-timeout", "1", "--lease", "10", "--fault-interval", "4",
+                 "--chunk-size", "128", "--max-num-batched-tokens", "512", "--transfer-timeout", "1", "--lease", "10",
+                 "--fault-interval", "4",
                  "--readd-after", "2", "6", "--drain-timeout", "60"])
     report = json.loads(out.read_text())
     assert report["lost"] == 0, report["lost_examples"]

@@ -167,6 +167,7 @@ def default_token_budget(a: argparse.Namespace, context: Optional[int] = None) -
 def cluster_config(a: argparse.Namespace):
     from aserve.config import ClusterConfig
 
+    options = parse_options(a.predictor_option, "predictor-option")  # a bad flag errs before any profiling
     chunk = a.chunk_size or measured_engine(a).saturate_chunk()
     return ClusterConfig(mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, num_coupled=a.instances,
                          prefill_policy=a.prefill_policy, prefill_sched_batch=a.prefill_sched_batch,
@@ -174,7 +175,7 @@ def cluster_config(a: argparse.Namespace):
                          preemption=a.preemption, predictor=a.predictor, predictor_granularity=a.predictor_granularity,
                          predictor_mode=a.predictor_mode, predictor_timeout_s=a.predictor_timeout,
                          predictor_features=a.predictor_features,
-                         predictor_options=parse_options(a.predictor_option, "predictor-option"),
+                         predictor_options=options,
                          predictor_path=a.predictor_path, predictor_labels=a.predictor_labels,
                          predictor_prompts=a.predictor_prompts, link=a.link, emulate_model=a.emulate_model,
                          emulate_kv_bytes_per_token=a.emulate_kv_bytes_per_token,
