@@ -51,7 +51,7 @@ def add_admin_routes(app: web.Application, key) -> None:
         ctx = request.app[key]
         role = _role(await _body(request, ctx.settings.max_body_bytes), required=True)
         try:
-            inst = ctx.cluster.lifecycle.add(role)
+            inst = await ctx.cluster.lifecycle.add(role)
         except InstanceError as e:
             raise _refused(e) from None
         view = next(v for v in ctx.cluster.lifecycle.instances_view() if v["id"] == inst.id)

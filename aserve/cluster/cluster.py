@@ -31,7 +31,7 @@ from aserve.cluster.requests import EventLog, RequestHandle, TokenEvent
 from aserve.config import ClusterConfig, EngineConfig
 from aserve.engine.bundle import ModelBundle
 from aserve.engine.device import CoreShare, Device
-from aserve.engine.devices import load_bundle, make_device
+from aserve.engine.devices import is_sim, load_bundle, make_device
 from aserve.engine.instance import Instance, StepReport
 from aserve.engine.policies import Policies
 from aserve.engine.stops import StopChecker
@@ -149,15 +149,25 @@ class Cluster:
     def threads_per_instance(self, num_instances: int) -> int:
         return max(1, self._cores() // num_instances)
 
-    def new_instance(self, instance_id: str, role: str, num_threads: int) -> Instance:
-        """An instance over a fresh device (its own KV pool, the shared weights), started."""
-        device = self.make_device(instance_id, num_threads)
+    def new_instance(self, instance_id: str, role: str, num_threads: int,
+                     device: Optional[Device] = None) -> Instance:
+        """An instance over a fresh device (its own KV pool, the shared weights; ``device`` when
+        it was built already, by ``build_device``), started."""
+        device = device or self.make_device(instance_id, num_threads)
         inst = Instance(instance_id, role, device, self.policies, self.stops, self.clock, self)
         self.instances[instance_id] = inst
         self.count_live()
         device.watch(lambda why: self._device_lost(inst, why))
         inst.start()
         return inst
+
+    async def build_device(self, instance_id: str, num_threads: int) -> Device:
+        """``make_device`` for an instance added while the cluster serves: a device of this process
+        is built on a worker thread (its KV pool is gigabytes of zeros), so no stream waits for it;
+        a simulated one is cheap and lives on virtual time, a Ray actor starts on its own."""
+        if self.cfg.backend != "local" or is_sim(self.engine):
+            return self.make_device(instance_id, num_threads)
+        return await asyncio.to_thread(self.make_device, instance_id, num_threads)
 
     def make_device(self, instance_id: str, num_threads: int) -> Device:
         """A device of this process (a ``TorchDevice`` thread, or a ``SimDevice``), or a Ray actor

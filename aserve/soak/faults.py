@@ -112,7 +112,7 @@ class FaultInjector:
         except asyncio.TimeoutError:
             pass
         await self.cluster.lifecycle.remove(iid)  # failed: no drain, its device and pool are freed
-        new = self.cluster.lifecycle.add(role)
+        new = await self.cluster.lifecycle.add(role)
         self._note("readd", f"{iid} removed, {new.id} ({role}) added")
 
     async def _flip(self, iid: str) -> None:
@@ -129,7 +129,7 @@ class FaultInjector:
         await asyncio.gather(*self._readds, return_exceptions=True)
         for inst in [i for i in self.cluster.instances.values() if i.state == "failed"]:
             await self.cluster.lifecycle.remove(inst.id)
-            new = self.cluster.lifecycle.add(inst.role)
+            new = await self.cluster.lifecycle.add(inst.role)
             self._note("readd", f"{inst.id} removed, {new.id} ({inst.role}) added")
 
     def kill_report(self) -> list[dict]:
