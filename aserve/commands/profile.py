@@ -122,6 +122,12 @@ def _calibrate(a: argparse.Namespace) -> int:
         **record}})
     fitted.save(a.out)
     _print_fit(base, fitted, skipped)
+    held = sum(s.seconds for s in read_steps(a.from_steps, "busy_s", systems))
+    forward = sum(s.seconds for s in read_steps(a.from_steps, "forward_s", systems))
+    if forward > 0:
+        print(f"the logged steps held their instances {held / forward - 1:+.1%} longer than their forward "
+              f"(busy_s over forward_s: the hand-off to the device thread and the loop's wait to resume); "
+              f"fitted: {a.target}")
     _print_errors(record["fitted"], "error on the steps fitted (|pred - real| / real)")
     if checks:
         _print_errors(record["check"], "error on the held-out --check steps")
