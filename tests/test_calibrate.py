@@ -91,7 +91,8 @@ def test_a_sim_replay_logs_its_steps_and_the_fit_refits_its_profile(tmp_path):
     log, out = tmp_path / "steps.jsonl", tmp_path / "report.json"
     assert main(["replay", str(trace), "--device", f"sim:{tmp_path / 'true.json'}", "--no-progress", "--json", str(out),
                  "--step-log", str(log), "--predictor", "none", "--chunk-size", "32",
-                 "--compare", "tetri: --mode disagg ; sarathi: --mode coupled --instances 2 --max-num-batched-tokens 64"]) == 0
+                 "--compare", "tetri: --mode disagg ; "
+                              "sarathi: --mode coupled --instances 2 --max-num-batched-tokens 64"]) == 0
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     report = json.loads(out.read_text())["systems"]
     for name in ("tetri", "sarathi"):

@@ -123,13 +123,14 @@ class Instance:
             self.host.on_step(self, report)
 
     async def _logged(self, plan: StepPlan, log) -> StepOutput:
-        """The step, timed into the step log (a step that raises or is cancelled: no line)."""
+        """The step, timed into the step log (no line for a step that raises or is cancelled, or
+        that ends after the log was taken away: the replay's counters no longer include it)."""
         token, cpu0, out = log.begin(self.id), self.device.cpu_s, None
         try:
             out = await self.device.execute(plan)
             return out
         finally:
-            log.end(self.id, self.role, plan, out, self.device.cpu_s - cpu0, token)
+            log.end(self.id, self.role, plan, out if self.step_log is log else None, self.device.cpu_s - cpu0, token)
 
     def _account(self, plan: StepPlan, out: StepOutput) -> None:
         self.busy_s += out.busy_s
