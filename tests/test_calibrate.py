@@ -133,3 +133,38 @@ def test_bad_step_logs_and_flags_name_the_problem(tmp_path, capsys):
     assert "--base local needs --threads" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no usable steps"):
         fit(TRUE, [LoggedStep((), (), 0, 0, 0.01, 0)])
+
+
+def test_the_step_log_counts_neighbours_stepping_and_their_overlap(tmp_path):
+    """Two instances on a fake clock: a steps 0..2, b 1..4, then a 5..6 alone."""
+    from aserve.engine.step_log import StepLog
+    from scheduling.step import GREEDY, SeqStep, StepOutput, StepPlan
+
+    now = [0.0]
+    log = StepLog(tmp_path / "s.jsonl")
+    log.start_system("sys", lambda: now[0])
+    plan = StepPlan((SeqStep("c", tuple(range(8)), 16, (0, 1)), SeqStep("d", (5,), 40, (2, 3, 4), GREEDY)),
+                    num_pad_tokens=2)
+
+    def at(t):
+        now[0] = t
+
+    a = log.begin("a")
+    at(1.0)
+    b = log.begin("b")
+    at(2.0)
+    log.end("a", "coupled", plan, StepOutput({}, forward_s=1.9, busy_s=2.0), 1.8, a)
+    at(4.0)
+    log.end("b", "coupled", plan, StepOutput({}, forward_s=2.9, busy_s=3.0), 2.5, b)
+    at(5.0)
+    c = log.begin("a")
+    at(6.0)
+    log.end("a", "coupled", plan, None, 0.0, c)  # raised: no line
+    log.close()
+    lines = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert [(x["instance"], x["neighbours"], x["overlap"], x["t"]) for x in lines] == [("a", 0, 0.5, 0.0),
+                                                                                         ("b", 1, round(1 / 3, 4), 1.0)]
+    assert lines[0]["chunks"] == [[8, 16]] and lines[0]["decodes"] == [41] and lines[0]["pad"] == 2
+    assert lines[0]["sampled"] == 1 and lines[1]["cpu_s"] == 2.5 and log.num_lines == 2
+    (step,) = [s for s in read_steps([tmp_path / "s.jsonl"], "busy_s") if s.neighbours]
+    assert step.seconds == 3.0 and step.kind == "mixed" and step.rows == 11
