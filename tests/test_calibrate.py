@@ -77,7 +77,7 @@ def test_the_ridge_keeps_grid_points_no_step_touched_and_the_grid_grows_to_the_l
         < base.step_s([(3000, 0)], num_sampled=1)
 
 
-def test_a_sim_replay_logs_its_steps_and_the_fit_refits_its_profile(tmp_path):
+def test_a_sim_replay_logs_its_steps_and_the_fit_refits_its_profile(tmp_path, capsys):
     """On a simulated device a step's logged time is its cost model's time for the logged shape
     exactly, so the shapes are checked to the last token; refitting from a base 30% off brings the
     error near nothing, and the command line writes a profile a sim can run on."""
@@ -113,6 +113,10 @@ def test_a_sim_replay_logs_its_steps_and_the_fit_refits_its_profile(tmp_path):
     assert calibrated["fitted"]["after"]["all"]["median"] < 0.01 and calibrated["fitted"]["after"]["all"]["p90"] < 0.03
     assert calibrated["check"]["after"] == calibrated["fitted"]["after"]  # the same log, checked
     assert calibrated["target"] == "forward_s" and calibrated["fitted"]["after"]["all"]["steps"] == len(steps)
+    # a profile's error on logs, nothing fitted: the fitted one on its own steps
+    capsys.readouterr()
+    assert main(["profile", "device", "--base", str(fitted_path), "--check", str(log)]) == 0
+    assert "the base's error on the --check steps" in capsys.readouterr().out
 
 
 def test_bad_step_logs_and_flags_name_the_problem(tmp_path, capsys):
