@@ -2,6 +2,8 @@
 the command line's defaults, and a real (tiny-model) measurement."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -25,6 +27,11 @@ def test_step_times_by_hand():
     plan = StepPlan((SeqStep("c", tuple(range(60)), 100, (0,)), SeqStep("d", (1,), 499, (0,), GREEDY),
                      SeqStep("e", (1,), 699, (0,), GREEDY)), num_pad_tokens=4)
     assert COST.plan_s(plan) == pytest.approx(t)
+    # rows that sample no token (the chunk's 60, the 4 pads) take back their logits: the 2 decodes keep theirs
+    logits = replace(COST, logits_row_s=1e-4)
+    assert logits.plan_s(plan) == pytest.approx(t - 64e-4) == logits.step_s([(60, 100)], [500, 700], 4)
+    last = StepPlan((SeqStep("c", tuple(range(60)), 100, (0,), GREEDY),), num_pad_tokens=4)  # a chunk that samples
+    assert logits.plan_s(last) == pytest.approx(COST.plan_s(last) - 63e-4)
     assert COST.hybrid_s(40, 8, 300) == pytest.approx(COST.step_s([(32, 300)], [300] * 8))
 
 

@@ -12,6 +12,7 @@ from aserve.replay.driver import drive
 from aserve.commands.replay import parse_compare
 from aserve.replay.report import LATENCIES, RequestRecord, SystemRun, build_report, parse_slo, summarize
 from aserve.replay.traces import Trace, TraceRequest
+from tests.step_log_support import check_step_log
 
 TRACE = [  # 6 requests, short outputs; one with prompt text, one long enough for several chunks
     {"timestamp": 0.0, "prompt_tokens": 40, "output_tokens": 6},
@@ -41,7 +42,7 @@ def replayed(tmp_path_factory):
     args = parser().parse_args([
         "replay", str(trace), "--prompts", str(prompts), "--max-output-tokens", "7",
         "--compare", "tetri: --mode disagg --prefill 1 --decode 1 ; vllm: --mode coupled --instances 2 --batching vllm",
-        "--kv-cache-gb", "0.05", "--chunk-size", "128", "--max-num-batched-tokens", "512", "--json", str(tmp / "out.json"), "--plots", str(tmp / "plots"),
+        "--kv-cache-gb", "0.05", "--chunk-size", "128", "--max-num-batched-tokens", "512", "--json", str(tmp / "out.json"), "--plots", str(tmp / "plots"), "--step-log", str(tmp / "steps.jsonl"),
         "--slo", "ttft=30,tbt=5", "--no-progress"])
     rc = args.func(args)
     return rc, json.loads((tmp / "out.json").read_text()), tmp
@@ -86,6 +87,19 @@ def test_report_shape_and_sane_numbers(replayed):
     assert (tetri["instance_failures"], tetri["recovery_s_max"], tetri["failures"]) == (0, None, [])
     assert tetri["padding_tokens"] > 0 and vllm["padding_tokens"] == 0
     assert tetri["queue_time"] is not None  # prefill instances stamp "scheduled"
+
+
+@pytest.mark.slow
+def test_the_step_log_has_every_step_timed(replayed):
+    """One line per step of each system after the warm-up (the sums agree with the report), each
+    timed on the real device: the forward within the time the step held the instance."""
+    _, report, tmp = replayed
+    lines = [json.loads(x) for x in (tmp / "steps.jsonl").read_text().splitlines()]
+    for name, system in report["systems"].items():
+        check_step_log(lines, name, system)
+    for x in lines:
+        assert 0 < x["forward_s"] <= x["busy_s"] and x["cpu_s"] > 0 and 0 <= x["overlap"]
+        assert x["sampled"] <= len(x["decodes"]) + len(x["chunks"])
 
 
 @pytest.mark.slow

@@ -64,6 +64,7 @@ class Cluster:
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task] = set()
         self._monitor: Optional[asyncio.Task] = None
+        self.step_log = None  # a StepLog every instance writes its steps to (aserve replay --step-log)
 
     # ---- start and stop ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -155,6 +156,7 @@ class Cluster:
         it was built already, by ``build_device``), started."""
         device = device or self.make_device(instance_id, num_threads)
         inst = Instance(instance_id, role, device, self.policies, self.stops, self.clock, self)
+        inst.step_log = self.step_log
         self.instances[instance_id] = inst
         self.count_live()
         device.watch(lambda why: self._device_lost(inst, why))
@@ -168,6 +170,13 @@ class Cluster:
         if self.cfg.backend != "local" or is_sim(self.engine):
             return self.make_device(instance_id, num_threads)
         return await asyncio.to_thread(self.make_device, instance_id, num_threads)
+
+    def log_steps(self, log) -> None:
+        """From now on every instance, and every one added later, writes its steps to ``log``
+        (a ``StepLog``; None stops it)."""
+        self.step_log = log
+        for inst in self.instances.values():
+            inst.step_log = log
 
     def make_device(self, instance_id: str, num_threads: int) -> Device:
         """A device of this process (a ``TorchDevice`` thread, or a ``SimDevice``), or a Ray actor

@@ -13,6 +13,21 @@ def register(subparsers) -> None:
                                          "come from them; a simulated device can run on them)")
     pd.add_argument("--out", default=None, help="also write the profile (JSON) here")
     pd.add_argument("--reps", type=int, default=3, help="timed steps per point, after one warm-up (median)")
+    g = pd.add_argument_group("calibration on replays' steps (no measuring; docs/SIMULATION.md)")
+    g.add_argument("--from-steps", nargs="+", default=None, metavar="FILE",
+                   help="refit the cost model on these step logs (aserve replay --step-log) and write it to --out")
+    g.add_argument("--base", default=None, help="the profile refitted (and the prior of what no step touched): a "
+                   "cost-model JSON, or 'local' = this machine's cached profile at --threads")
+    g.add_argument("--check", nargs="+", default=None, metavar="FILE",
+                   help="step logs to report the error on without fitting them (held out); with --base alone: "
+                        "the base's error on them")
+    g.add_argument("--ridge", type=float, default=1.0,
+                   help="pull toward the base, as strong as this many steps off by 100%% (0: none)")
+    g.add_argument("--target", default="forward_s", help="the logged time fitted: forward_s (the device's own "
+                   "time for the step) | busy_s (as the instance's loop saw it) | cpu_s")
+    g.add_argument("--systems", default=None, help="only steps of these --compare systems (comma-separated)")
+    g.add_argument("--no-contention", dest="fit_contention", action="store_false",
+                   help="keep the base's contention instead of fitting it")
     add_engine_args(pd)
     pd.set_defaults(func=cmd_profile_device)
     pt = prsub.add_parser("token-budget", help="the largest Sarathi token budget whose iteration meets a TBT SLO "
@@ -50,7 +65,109 @@ def cmd_profile_device(a: argparse.Namespace) -> int:
 
     from aserve.engine.device_profile import measure_and_save
 
+    if a.from_steps or a.check or a.base:
+        return _calibrate(a)
     if a.reps < 1:
         raise ValueError(f"--reps must be >= 1, got {a.reps}")
     measure_and_save(_engine(a), a.threads or os.cpu_count() or 1, a.reps, a.out)
     return 0
+
+
+def _base_profile(a: argparse.Namespace):
+    from aserve.engine.cost_model import CostModel
+    from aserve.engine.device_profile import machine
+    from aserve.engine.profile_store import cost_model
+
+    if a.base is None:
+        raise ValueError("--from-steps and --check need --base: a cost-model JSON, or 'local'")
+    if a.base != "local":
+        return CostModel.load(a.base)
+    if a.threads < 1:
+        raise ValueError("--base local needs --threads: the torch threads of each replayed instance (two "
+                         "instances on this machine's two cores: 1)")
+    e = _engine(a)
+    cost = cost_model(e.cache_dir, e.model, e.device, e.dtype, a.threads, machine())
+    if cost is None:
+        raise ValueError(f"no cached profile of this machine at {a.threads} thread(s): run "
+                         f"'aserve profile device --threads {a.threads}' first, or give --base FILE")
+    return cost
+
+
+def _calibrate(a: argparse.Namespace) -> int:
+    """--from-steps / --check: refit (or only check) a cost model on logged steps, print the
+    errors before and after by step kind, write the fitted model to --out."""
+    from dataclasses import replace
+    from datetime import date
+
+    from aserve.engine.calibrate import describe, fit, usable
+    from aserve.engine.step_log import read_steps
+
+    if a.from_steps and not a.out:
+        raise ValueError("--from-steps needs --out FILE: where the fitted profile goes")
+    if not (a.from_steps or a.check):
+        raise ValueError("--base is for --from-steps or --check")
+    base = _base_profile(a)
+    systems = {s.strip() for s in a.systems.split(",")} if a.systems else None
+    steps = read_steps(a.from_steps or (), a.target, systems)
+    checks = read_steps(a.check or (), a.target, systems)
+    if not a.from_steps:
+        _print_errors(describe(base, base, checks)["fitted"], "the base's error on the --check steps", ("before",))
+        return 0
+    fitted = fit(base, steps, a.ridge, fit_contention=a.fit_contention)
+    record = describe(fitted, base, steps, checks)
+    skipped = len(steps) - len(usable(steps))
+    fitted = replace(fitted, meta={**base.meta, "calibrated": {
+        "from_steps": list(a.from_steps), "check": list(a.check or ()), "systems": sorted(systems or ()),
+        "target": a.target, "ridge": a.ridge, "skipped_steps": skipped, "date": date.today().isoformat(),
+        **record}})
+    fitted.save(a.out)
+    _print_fit(base, fitted, skipped)
+    held = sum(s.seconds for s in read_steps(a.from_steps, "busy_s", systems))
+    forward = sum(s.seconds for s in read_steps(a.from_steps, "forward_s", systems))
+    if forward > 0:
+        print(f"the logged steps held their instances {held / forward - 1:+.1%} longer than their forward "
+              f"(busy_s over forward_s: the hand-off to the device thread and the loop's wait to resume); "
+              f"fitted: {a.target}")
+    _print_errors(record["fitted"], "error on the steps fitted (|pred - real| / real)")
+    if checks:
+        _print_errors(record["check"], "error on the held-out --check steps")
+    print(f"wrote {a.out} (use it as --device sim:{a.out})")
+    return 0
+
+
+def _print_fit(base, fitted, skipped: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="linear table, base -> fitted")
+    for col in ("rows", "base ms", "fitted ms", "change"):
+        t.add_column(col, justify="right")
+    for n, y in zip(fitted.tokens, fitted.linear_s):
+        b = base.linear(n)
+        t.add_row(str(n), f"{b * 1e3:.2f}", f"{y * 1e3:.2f}", f"{y / b - 1:+.1%}" if b > 0 else "")
+    console = Console()
+    console.print(t)
+    console.print(f"attention: {base.attn_prefill_s * 1e9:.3f} -> {fitted.attn_prefill_s * 1e9:.3f} ns a prompt pair, "
+                  f"{base.attn_decode_s * 1e9:.2f} -> {fitted.attn_decode_s * 1e9:.2f} ns a decode context token; "
+                  f"logits {base.logits_row_s * 1e3:.3f} -> {fitted.logits_row_s * 1e3:.3f} ms a row; contention "
+                  f"{base.contention:+.1%} -> {fitted.contention:+.1%}"
+                  + (f"; {skipped} steps skipped (empty, untimed or swapping)" if skipped else ""), highlight=False)
+
+
+def _print_errors(record: dict, title: str, phases=("before", "after")) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    t.add_column("steps")
+    t.add_column("n", justify="right")
+    for phase in phases:
+        for col in ("median", "P90", "sum"):
+            t.add_column(f"{col} {phase}" if len(phases) > 1 else col, justify="right")
+    for kind, first in record[phases[0]].items():
+        cells = []
+        for phase in phases:
+            e = record[phase][kind]
+            cells += [f"{e['median']:.1%}", f"{e['p90']:.1%}", f"{e['total']:+.1%}"]
+        t.add_row(kind, str(first["steps"]), *cells)
+    Console().print(t)

@@ -114,6 +114,8 @@ def register(subparsers) -> None:
     r.add_argument("--name", default=None, help="the system's name when not comparing")
     r.add_argument("--json", default=None, help="write the report here")
     r.add_argument("--plots", default=None, help="write PNG plots into this folder")
+    r.add_argument("--step-log", default=None, help="write every executed step here, one JSON line each (its "
+                   "shape, its measured time, its system and instance), for 'aserve profile device --from-steps'")
     r.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=1,tpot=200ms (keys ttft, tpot = the request's "
                    "mean time per output token, jct, norm; seconds or ms)")
     r.add_argument("--timeout", type=float, default=None, help="per system: abort what is left after this many s")
@@ -176,12 +178,19 @@ def _tokenizer_and_context(a: argparse.Namespace, engine):
 
 
 async def _run(a, specs, trace, prompts, bundle, progress) -> list:
+    from aserve.engine.step_log import StepLog
     from aserve.replay.driver import replay_systems
     from aserve.replay.http_target import replay_http
 
     if a.url:
         return [await replay_http(a.url, a.name or a.url, trace, prompts, progress, a.api_model, a.timeout)]
-    return await replay_systems(specs, trace, prompts, bundle, progress, a.warmup, a.timeout)
+    log = StepLog(a.step_log) if a.step_log else None
+    try:
+        return await replay_systems(specs, trace, prompts, bundle, progress, a.warmup, a.timeout, log)
+    finally:
+        if log is not None:
+            log.close()
+            print(f"wrote {log.num_lines} steps to {log.path}")
 
 
 def cmd_replay(a: argparse.Namespace) -> int:
@@ -192,8 +201,8 @@ def cmd_replay(a: argparse.Namespace) -> int:
     from aserve.replay.workloads import PromptBuilder
 
     slo = parse_slo(a.slo)
-    if a.url and a.compare:
-        raise ValueError("--compare runs in-process systems; it cannot be combined with --url")
+    if a.url and (a.compare or a.step_log):
+        raise ValueError("--compare and --step-log run in-process systems; they cannot be combined with --url")
     if a.chat and (a.max_prompt_tokens or a.length_scale != 1.0 or a.prompts):
         raise ValueError("--chat sends each request's own text whole: it cannot be combined with "
                          "--max-prompt-tokens, --length-scale or --prompts")

@@ -1,10 +1,16 @@
 """A device's step time as a function of the step's rows: the model the schedulers' settings are
 derived from, and the one a simulated device runs on.
 
-    t(step) = linear(T) + attn_prefill · Σ_chunks n·(start + (n + 1) / 2) + attn_decode · Σ_decodes ctx
+    t(step) = linear(T) - logits_row · (T - sampled)
+              + attn_prefill · Σ_chunks n·(start + (n + 1) / 2) + attn_decode · Σ_decodes ctx
                 │                          └ query-key pairs of each prompt chunk
                 └ T = rows computed (padding included), interpolated over measured T:
                   weight reads, the products, norms and the per-step overhead
+
+``linear`` is timed on decode rows, each of which produces logits; ``logits_row`` is what a row
+that produces none (a prompt row before its chunk's last, padding) takes back: the LM head, a
+fifth of a small model's per-row work (0 in a profile that never measured it: ``aserve profile
+device --from-steps`` fits it on steps timed inside replays, aserve/engine/calibrate.py).
 
 ``linear`` is a table (a batch-1 step is bound by reading the weights, a 2,048-row one by the
 products: no straight line fits both); the two attention terms are per pair and per token of
@@ -32,29 +38,22 @@ class CostModel:
     attn_decode_s: float  # seconds per token of context a decode row reads
     contention: float = 0.0  # fraction slower while another instance on the bus is busy
     meta: dict = field(default_factory=dict)  # what was measured: model, device, dtype, threads, machine, date
+    logits_row_s: float = 0.0  # seconds of one row's logits, part of linear(T); rows that sample none save it
 
     def __post_init__(self):
         if len(self.tokens) != len(self.linear_s) or not self.tokens:
             raise ValueError("a cost model needs one linear time per grid point, and at least one point")
         if list(self.tokens) != sorted(set(self.tokens)) or self.tokens[0] < 1:
             raise ValueError(f"the T grid must be ascending and >= 1, got {self.tokens}")
-        if min(self.linear_s) < 0 or self.attn_prefill_s < 0 or self.attn_decode_s < 0 or self.contention < 0:
+        if min(self.linear_s) < 0 or self.attn_prefill_s < 0 or self.attn_decode_s < 0 or self.contention < 0 \
+                or self.logits_row_s < 0:
             raise ValueError("step costs must be >= 0")
 
     # ---- the pieces -------------------------------------------------------------------------------
     def linear(self, num_rows: int) -> float:
         """Piecewise-linear over the grid; below it, the first point; above it, the last two
         points' slope (products grow linearly once the weights are no longer the bound)."""
-        if num_rows <= 0:
-            return 0.0
-        ts, ys = self.tokens, self.linear_s
-        if num_rows <= ts[0] or len(ts) == 1:
-            return ys[0]
-        i = bisect.bisect_left(ts, num_rows)
-        if i == len(ts):
-            i -= 1  # extrapolate with the last segment
-        t0, t1, y0, y1 = ts[i - 1], ts[i], ys[i - 1], ys[i]
-        return max(0.0, y0 + (y1 - y0) * (num_rows - t0) / (t1 - t0))
+        return max(0.0, sum(w * self.linear_s[i] for i, w in linear_weights(self.tokens, num_rows)))
 
     @staticmethod
     def prefill_pairs(num_tokens: int, start: int) -> float:
@@ -62,19 +61,21 @@ class CostModel:
         return num_tokens * (start + (num_tokens + 1) / 2)
 
     def step_s(self, chunks: Iterable[tuple[int, int]] = (), decode_contexts: Iterable[int] = (),
-               num_pad_tokens: int = 0, busy_neighbours: int = 0) -> float:
-        """One step: prompt ``chunks`` as (tokens, start), decode rows by context, padding rows."""
+               num_pad_tokens: int = 0, busy_neighbours: int = 0, num_sampled: Optional[int] = None) -> float:
+        """One step: prompt ``chunks`` as (tokens, start), decode rows by context, padding rows;
+        ``num_sampled`` rows produce logits (None: every decode row and no chunk's)."""
         chunks, contexts = list(chunks), list(decode_contexts)
         rows = sum(n for n, _ in chunks) + len(contexts) + num_pad_tokens
-        t = (self.linear(rows) + self.attn_prefill_s * sum(self.prefill_pairs(n, s) for n, s in chunks)
+        sampled = len(contexts) if num_sampled is None else num_sampled
+        t = (self.linear(rows) - self.logits_row_s * max(0, rows - sampled)
+             + self.attn_prefill_s * sum(self.prefill_pairs(n, s) for n, s in chunks)
              + self.attn_decode_s * sum(contexts))
-        return t * (1.0 + self.contention * min(1, busy_neighbours))
+        return max(0.0, t) * (1.0 + self.contention * min(1, busy_neighbours))
 
     def plan_s(self, plan, busy_neighbours: int = 0) -> float:
-        """A ``StepPlan``'s time: rows of more than one token are prompt chunks (or recomputes)."""
-        chunks = [(s.num_tokens, s.start_pos) for s in plan.seqs if s.num_tokens > 1]
-        contexts = [s.start_pos + 1 for s in plan.seqs if s.num_tokens == 1]
-        return self.step_s(chunks, contexts, plan.num_pad_tokens, busy_neighbours)
+        """A ``StepPlan``'s time (its shape: ``plan_shape``)."""
+        chunks, contexts, pad, sampled = plan_shape(plan)
+        return self.step_s(chunks, contexts, pad, busy_neighbours, sampled)
 
     def prefill_s(self, num_tokens: int, start: int = 0) -> float:
         return self.step_s([(num_tokens, start)])
@@ -127,7 +128,7 @@ class CostModel:
 
     @staticmethod
     def from_json(data: dict) -> "CostModel":
-        known = {"tokens", "linear_s", "attn_prefill_s", "attn_decode_s", "contention", "meta"}
+        known = {"tokens", "linear_s", "attn_prefill_s", "attn_decode_s", "contention", "logits_row_s", "meta"}
         missing = {"tokens", "linear_s", "attn_prefill_s", "attn_decode_s"} - set(data)
         if missing:
             raise ValueError(f"a cost model needs {', '.join(sorted(missing))}")
@@ -147,6 +148,29 @@ class CostModel:
             return CostModel.from_json(json.loads(Path(path).read_text()))
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"bad cost model file {str(path)!r}: {e}") from None
+
+
+def linear_weights(tokens: Sequence[int], num_rows: int) -> list[tuple[int, float]]:
+    """``linear(num_rows)`` as (grid index, weight) pairs over an ascending grid: the first point
+    below it, the last segment's line above it (its weight on the lower point goes negative),
+    else the two points around it. The table is linear in its values: a fit solves for them."""
+    if num_rows <= 0:
+        return []
+    if num_rows <= tokens[0] or len(tokens) == 1:
+        return [(0, 1.0)]
+    i = bisect.bisect_left(tokens, num_rows)
+    if i == len(tokens):
+        i -= 1  # extrapolate with the last segment
+    f = (num_rows - tokens[i - 1]) / (tokens[i] - tokens[i - 1])
+    return [(i - 1, 1.0 - f), (i, f)]
+
+
+def plan_shape(plan) -> tuple[list[tuple[int, int]], list[int], int, int]:
+    """What a ``StepPlan`` costs by: prompt chunks as (tokens, start) (rows of more than one token:
+    chunks or recomputes), decode rows' contexts, padding rows, and the rows that sample a token."""
+    chunks = [(s.num_tokens, s.start_pos) for s in plan.seqs if s.num_tokens > 1]
+    contexts = [s.start_pos + 1 for s in plan.seqs if s.num_tokens == 1]
+    return chunks, contexts, plan.num_pad_tokens, sum(s.sampling is not None for s in plan.seqs)
 
 
 def fit_attention(points: Sequence[tuple[float, float]]) -> float:

@@ -79,6 +79,7 @@ class Instance:
         self.busy_by_role = {"prefill": 0.0, "decode": 0.0, "coupled": 0.0}
         self.num_steps = self.num_prefill_tokens = self.num_decode_tokens = self.num_pad_tokens = 0
         self.num_preemptions = self.num_flips = 0
+        self.step_log = None  # a StepLog (aserve/engine/step_log.py) while a replay logs its steps
 
     def _make_role(self, role: str) -> None:
         """The role's scheduler over the instance's own blocks: no model reload, no new pool."""
@@ -107,7 +108,7 @@ class Instance:
             if plan.empty:
                 await self._idle()
                 continue
-            out = await self.device.execute(plan)
+            out = await (self.device.execute(plan) if self.step_log is None else self._logged(plan, self.step_log))
             events = self.scheduler.update(plan, out)
             self._account(plan, out)
             finished = {}
@@ -120,6 +121,16 @@ class Instance:
                                 tuple(r for r in events.prefilled if r.request_id not in finished),
                                 out.features, out.num_tokens, out.logprobs, out.prompt_logprobs)
             self.host.on_step(self, report)
+
+    async def _logged(self, plan: StepPlan, log) -> StepOutput:
+        """The step, timed into the step log (no line for a step that raises or is cancelled, or
+        that ends after the log was taken away: the replay's counters no longer include it)."""
+        token, cpu0, out = log.begin(self.id), self.device.cpu_s, None
+        try:
+            out = await self.device.execute(plan)
+            return out
+        finally:
+            log.end(self.id, self.role, plan, out if self.step_log is log else None, self.device.cpu_s - cpu0, token)
 
     def _account(self, plan: StepPlan, out: StepOutput) -> None:
         self.busy_s += out.busy_s

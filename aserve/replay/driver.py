@@ -219,8 +219,9 @@ def _predictor_delta(before: dict, after: dict, latency: LatencyHistogram, laten
 
 async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[int]], bundle,
                          progress: Optional[ReplayProgress] = None, warmup: bool = True,
-                         timeout_s: Optional[float] = None) -> SystemRun:
-    """Replay ``trace`` on a fresh in-process cluster built from ``spec`` over ``bundle``."""
+                         timeout_s: Optional[float] = None, step_log=None) -> SystemRun:
+    """Replay ``trace`` on a fresh in-process cluster built from ``spec`` over ``bundle``;
+    ``step_log`` (a ``StepLog``): every step after the warm-up is written to it."""
     from aserve.cluster.cluster import Cluster
 
     progress = progress or ReplayProgress(False)
@@ -231,6 +232,9 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
         free0 = cluster.free_blocks()
         if warmup:
             await _warm_up(cluster, len(bundle.tokenizer))
+        if step_log is not None:
+            step_log.start_system(spec.name, cluster.clock.now)
+            cluster.log_steps(step_log)
         c0, kv0, base = _counters(cluster), _kv_totals(cluster), cluster.clock.now()
         pred0 = cluster.predictor.snapshot()
         lat0 = pred0["latency"]["count"]
@@ -247,6 +251,7 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
         finally:
             task.cancel()
         await asyncio.sleep(0)  # let finished handoffs release their source blocks
+        cluster.log_steps(None)
         sampler.take()
         c1, free1 = _counters(cluster), cluster.free_blocks()
         instances = tuple(InstanceRecord(iid, inst.role, c1[iid][0] - c0[iid][0], c1[iid][1] - c0[iid][1],
@@ -271,9 +276,9 @@ def _failure(record: dict) -> dict:
 
 async def replay_systems(specs: Sequence[SystemSpec], trace: Trace, prompts: Sequence[list[int]], bundle,
                          progress: Optional[ReplayProgress] = None, warmup: bool = True,
-                         timeout_s: Optional[float] = None) -> list[SystemRun]:
-    """Each system in turn on the same trace, prompts and model bundle."""
+                         timeout_s: Optional[float] = None, step_log=None) -> list[SystemRun]:
+    """Each system in turn on the same trace, prompts and model bundle (and step log)."""
     runs = []
     for spec in specs:
-        runs.append(await replay_cluster(spec, trace, prompts, bundle, progress, warmup, timeout_s))
+        runs.append(await replay_cluster(spec, trace, prompts, bundle, progress, warmup, timeout_s, step_log))
     return runs
