@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,17 +104,54 @@ def train_predictor(cfg: TrainConfig, data: Optional[Dataset] = None) -> tuple[L
     if not rows:
         raise ValueError(f"field 'labels': no training rows in {data.labels_path} after the split")
     predictor = build_predictor(cfg.backend, cfg.granularity, data.max_length, cfg.options)
+    out = Path(cfg.out) if cfg.out else artefact_dir(cfg.backend, cfg.granularity, data.labels_path, cfg.options)
+    side = "every prompt" if cfg.use_all else "the train split"
+    say(f"fitting the {cfg.backend} length predictor (granularity {cfg.granularity}) on {len(rows)} prompts, "
+        f"{side} of {data.labels_path}; it will be saved to {out}")
     start = time.perf_counter()
     predictor.fit(rows)
     seconds = time.perf_counter() - start
-    out = Path(cfg.out) if cfg.out else artefact_dir(cfg.backend, cfg.granularity, data.labels_path, cfg.options)
     predictor.save(out)
+    say(f"fitted the {cfg.backend} length predictor in {seconds:.1f} s; saved to {out}")
     summary = {"backend": cfg.backend, "granularity": cfg.granularity, "n_train": len(rows),
                "n_test_held_out": 0 if cfg.use_all else len(data.test), "max_length": data.max_length,
                "fit_seconds": round(seconds, 2), "labels": str(data.labels_path),
                "labels_sha1": file_digest(data.labels_path), "options": cfg.options, "path": str(out)}
     _add_to_meta(out, {"training": summary})
     return predictor, out, summary
+
+
+SERVING_BACKENDS = ("sklearn", "lm", "retrieval")  # the backends a server fits on first use
+
+
+def prepare(backends, granularities, labels: Path | str = DEFAULT_LABELS, prompts: Path | str = DEFAULT_PROMPTS,
+            options: Optional[dict] = None) -> list[dict]:
+    """Train ahead what a server would otherwise fit on its first request (``aserve predictor
+    prepare``, ``make predictors``): each backend at each granularity, on the train split, saved
+    where ``serving.load_for_serving`` looks. Artefacts already there are left alone. One row per
+    pair: backend, granularity, path, and ``"present"`` or the seconds the fit took."""
+    from predictors.registry import predictor_class
+
+    rows, data = [], None
+    for backend in backends:
+        if not predictor_class(backend).needs_fit:
+            raise ValueError(f"field 'backends': {backend!r} needs no training")
+        for g in granularities:
+            out = artefact_dir(backend, g, labels, options)
+            if (out / META_FILE).is_file():
+                say(f"{backend} at granularity {g}: already trained, at {out}")
+                rows.append({"backend": backend, "granularity": g, "path": str(out), "fit_seconds": "present"})
+                continue
+            data = data or load_dataset(prompts, labels)
+            _, _, summary = train_predictor(TrainConfig(backend, g, Path(labels), Path(prompts), out,
+                                                        options=dict(options or {})), data)
+            rows.append({"backend": backend, "granularity": g, "path": str(out), "fit_seconds": summary["fit_seconds"]})
+    return rows
+
+
+def say(message: str) -> None:
+    """One line on stderr: what a fit is doing and where its result goes (never a silent minute)."""
+    print(f"aserve: {message}", file=sys.stderr, flush=True)
 
 
 def _add_to_meta(folder: Path, extra: dict) -> None:

@@ -2,6 +2,7 @@
 
     aserve label --out predictors/data/labels_smollm2.jsonl [--limit N --max-tokens 1024 ...]
     aserve predictor train --backend sklearn --granularity 200 [--labels F --prompts F --out DIR]
+    aserve predictor prepare [--backends sklearn,lm,retrieval --granularities 100,200,400]  (what serve would fit)
     aserve predictor eval --backend retrieval --json out.json [--prompts F --labels F]
     aserve predictor trace --out /tmp/heldout.jsonl [--num-requests 128 --rate 1.0]
     aserve predictor agree LABELS_A LABELS_B [--json agree.json]   (two label runs of the same prompts)
@@ -19,10 +20,11 @@ from pathlib import Path
 from aserve.commands.common import add_engine_args, engine_config, parse_options
 from predictors.base import GRANULARITIES
 from predictors.dataset import DEFAULT_LABELS, DEFAULT_PROMPTS, SPLITS
+from predictors.train import SERVING_BACKENDS
 
 
 def register(subparsers) -> None:
-    """Register ``predictor train|eval|trace|agree`` and ``label``."""
+    """Register ``predictor train|prepare|eval|trace|agree`` and ``label``."""
     from predictors.registry import BACKENDS
 
     p = subparsers.add_parser("predictor", help="train and evaluate output-length predictors")
@@ -33,6 +35,15 @@ def register(subparsers) -> None:
     t.add_argument("--out", default=None, help="artefact folder (default: under ~/.cache/aserve/predictors/)")
     t.add_argument("--all", dest="use_all", action="store_true", help="train on every label, test split included")
     t.set_defaults(func=cmd_train)
+    pr = psub.add_parser("prepare", help="train ahead every artefact a server would fit on first use "
+                                         "(what 'make predictors' runs); those already there are kept")
+    pr.add_argument("--backends", default=",".join(SERVING_BACKENDS), help="comma-separated")
+    pr.add_argument("--granularities", default=",".join(map(str, GRANULARITIES)), help="comma-separated")
+    pr.add_argument("--labels", default=str(DEFAULT_LABELS), help="labels JSONL from 'aserve label'")
+    pr.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="prompts JSONL the labels refer to")
+    pr.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="backend option, as --predictor-option will pass it to the server (repeatable)")
+    pr.set_defaults(func=cmd_prepare)
     e = psub.add_parser("eval", help="score a backend on the test split at several granularities")
     _data_args(e, BACKENDS)
     e.add_argument("--json", required=True, help="write the report here")
@@ -105,6 +116,19 @@ def cmd_train(a: argparse.Namespace) -> int:
                       use_all=a.use_all, options=parse_options(a.option))
     _, _, summary = train_predictor(cfg)
     print(json.dumps(summary, indent=1))
+    return 0
+
+
+def cmd_prepare(a: argparse.Namespace) -> int:
+    from predictors.registry import BACKENDS
+    from predictors.train import prepare
+
+    backends = [b.strip() for b in a.backends.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if not backends or unknown:
+        raise ValueError(f"field 'backends': unknown {unknown or a.backends!r}; valid: {', '.join(SERVING_BACKENDS)}")
+    rows = prepare(backends, _granularities(a.granularities), a.labels, a.prompts, parse_options(a.option))
+    print(json.dumps(rows, indent=1))
     return 0
 
 
