@@ -22,6 +22,7 @@ from typing import Optional
 from predictors.base import DEFAULT_MAX_LENGTH, META_FILE, LengthPredictor
 from predictors.dataset import (DEFAULT_LABELS, DEFAULT_PROMPTS, TEST_FRACTION, Example, join_examples,
                                 load_prompts, read_labels, require_file, split_by_id)
+from predictors.samples import check_targets, training_rows
 
 
 def default_cache_dir() -> Path:
@@ -35,12 +36,15 @@ def file_digest(path: Path | str) -> str:
 
 
 def artefact_dir(backend: str, granularity: int, labels: Path | str, options: Optional[dict] = None,
-                 cache_dir: Optional[Path] = None) -> Path:
-    """Where ``train`` saves and ``evaluate`` looks; backend options, if any, get a folder of their own."""
+                 cache_dir: Optional[Path] = None, targets: str = "median") -> Path:
+    """Where ``train`` saves and ``evaluate`` looks; backend options, if any, get a folder of their
+    own, and so do training targets other than the median (``-t<targets>``)."""
     labels = Path(labels)
     name = f"{backend}-g{granularity}-{labels.stem}-{file_digest(labels)}"
     if options:
         name += "-" + hashlib.sha1(json.dumps(options, sort_keys=True).encode()).hexdigest()[:6]
+    if targets != "median":
+        name += f"-t{targets}"
     return Path(cache_dir or default_cache_dir()) / name
 
 
@@ -56,6 +60,7 @@ class TrainConfig:
     test_fraction: float = TEST_FRACTION
     use_all: bool = False
     options: dict = field(default_factory=dict)  # backend keyword arguments
+    targets: str = "median"  # median | samples | mode: what a prompt's samples become (predictors/samples.py)
 
     def __post_init__(self):
         from predictors.registry import BACKENDS
@@ -67,6 +72,7 @@ class TrainConfig:
             raise ValueError(f"field 'granularity' must be an integer >= 1, got {self.granularity!r}")
         if not 0 < self.test_fraction < 1:
             raise ValueError(f"field 'test_fraction' must be in (0, 1), got {self.test_fraction}")
+        check_targets(self.targets)
 
 
 @dataclass(frozen=True)
@@ -100,20 +106,23 @@ def build_predictor(backend: str, granularity: int, max_length: int, options: Op
 def train_predictor(cfg: TrainConfig, data: Optional[Dataset] = None) -> tuple[LengthPredictor, Path, dict]:
     """Fit ``cfg.backend`` on the train split (or everything) and save it; returns (predictor, folder, summary)."""
     data = data or load_dataset(cfg.prompts, cfg.labels, cfg.test_fraction)
-    rows = data.train + data.test if cfg.use_all else data.train
-    if not rows:
+    prompts = data.train + data.test if cfg.use_all else data.train
+    if not prompts:
         raise ValueError(f"field 'labels': no training rows in {data.labels_path} after the split")
     predictor = build_predictor(cfg.backend, cfg.granularity, data.max_length, cfg.options)
-    out = Path(cfg.out) if cfg.out else artefact_dir(cfg.backend, cfg.granularity, data.labels_path, cfg.options)
+    rows = training_rows(prompts, cfg.targets, predictor.buckets)
+    out = Path(cfg.out) if cfg.out else artefact_dir(cfg.backend, cfg.granularity, data.labels_path, cfg.options,
+                                                     targets=cfg.targets)
     side = "every prompt" if cfg.use_all else "the train split"
-    say(f"fitting the {cfg.backend} length predictor (granularity {cfg.granularity}) on {len(rows)} prompts, "
-        f"{side} of {data.labels_path}; it will be saved to {out}")
+    say(f"fitting the {cfg.backend} length predictor (granularity {cfg.granularity}) on {len(prompts)} prompts, "
+        f"{side} of {data.labels_path} ({len(rows)} rows, targets: {cfg.targets}); it will be saved to {out}")
     start = time.perf_counter()
     predictor.fit(rows)
     seconds = time.perf_counter() - start
     predictor.save(out)
     say(f"fitted the {cfg.backend} length predictor in {seconds:.1f} s; saved to {out}")
-    summary = {"backend": cfg.backend, "granularity": cfg.granularity, "n_train": len(rows),
+    summary = {"backend": cfg.backend, "granularity": cfg.granularity, "n_train": len(prompts),
+               "n_rows": len(rows), "targets": cfg.targets,
                "n_test_held_out": 0 if cfg.use_all else len(data.test), "max_length": data.max_length,
                "fit_seconds": round(seconds, 2), "labels": str(data.labels_path),
                "labels_sha1": file_digest(data.labels_path), "options": cfg.options, "path": str(out)}
