@@ -7,6 +7,7 @@
     aserve predictor trace --out /tmp/heldout.jsonl [--num-requests 128 --rate 1.0]
     aserve predictor agree LABELS_A LABELS_B [--json agree.json]   (two label runs of the same prompts)
     aserve predictor ceiling LABELS [--granularity 100,200,400 --backends sklearn,lm --targets samples]
+    aserve predictor share --out DIR [--seeds 0,1,2 ...]   (predictor_share.py: each backend's share of the oracle's gain)
 
 Bad input raises ValueError / FileNotFoundError naming the field; ``aserve.commands.main`` turns
 those into one line on stderr and exit code 2.
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from aserve.commands.common import add_engine_args, engine_config, parse_options
+from aserve.commands.predictor_share import add_share_parser
 from predictors.base import GRANULARITIES
 from predictors.dataset import DEFAULT_LABELS, DEFAULT_PROMPTS, SPLITS
 from predictors.samples import TARGETS
@@ -89,6 +91,7 @@ def register(subparsers) -> None:
     ag.add_argument("--granularities", default=",".join(map(str, GRANULARITIES)), help="comma-separated")
     ag.add_argument("--json", default=None, help="also write the report here")
     ag.set_defaults(func=cmd_agree)
+    add_share_parser(psub)
     _add_label_command(subparsers)
 
 
