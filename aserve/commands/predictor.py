@@ -7,7 +7,7 @@
     aserve predictor trace --out /tmp/heldout.jsonl [--num-requests 128 --rate 1.0]
     aserve predictor agree LABELS_A LABELS_B [--json agree.json]   (two label runs of the same prompts)
     aserve predictor ceiling LABELS [--granularity 100,200,400 --backends sklearn,lm --targets samples]
-    aserve predictor share --out DIR [--seeds 0,1,2 ...]   (predictor_share.py: each backend's share of the oracle's gain)
+    aserve predictor share --out DIR [--seeds 0,1,2 ...]   (each backend's share of the oracle's gain)
 
 Bad input raises ValueError / FileNotFoundError naming the field; ``aserve.commands.main`` turns
 those into one line on stderr and exit code 2.
@@ -72,11 +72,13 @@ def register(subparsers) -> None:
     tr.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape: 1 = Poisson, < 1 = burstier")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--length", default="sample", choices=("sample", "median"),
-                    help="sampled labels: each request's output is one of its samples (drawn by --seed) or their median")
+                    help="sampled labels: each request's output is one of its samples (drawn by --seed) "
+                         "or their median")
     tr.add_argument("--all", dest="use_all", action="store_true", help="draw from every label, not only the test split")
     tr.set_defaults(func=cmd_trace)
     c = psub.add_parser("ceiling", help="the prompt-only ceiling of sampled labels, and each backend as a share of it")
-    c.add_argument("labels", help="labels JSONL with several samples a prompt (aserve label --samples K --temperature T)")
+    c.add_argument("labels", help="labels JSONL with several samples a prompt "
+                                  "(aserve label --samples K --temperature T)")
     c.add_argument("--granularity", default=",".join(map(str, GRANULARITIES)), help="comma-separated")
     c.add_argument("--backends", default="", help="comma-separated backends to fit on the train split and score")
     c.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="prompts JSONL the labels refer to (for --backends)")
