@@ -62,8 +62,13 @@ class Label:
 
     @property
     def length(self) -> int:
-        """The training target: the median over samples (robust to one runaway sample)."""
+        """The default training target: the median over samples (robust to one runaway sample)."""
         return int(round(statistics.median(self.output_tokens)))
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """Every sample's length (one for greedy labels): what a fresh request of this prompt may do."""
+        return self.output_tokens
 
 
 @dataclass(frozen=True)
@@ -73,14 +78,19 @@ class Example:
     id: str
     prompt: str
     prompt_tokens: int
-    length: int
+    length: int  # the target (the samples' median unless training says otherwise: predictors/samples.py)
     source: str = ""
+    lengths: tuple[int, ...] = ()  # every sample's length; () means the one sample ``length``
 
     def __post_init__(self):
         if not self.prompt:
             raise ValueError(f"example {self.id!r} has an empty prompt")
         if self.length < 0 or self.prompt_tokens < 1:
             raise ValueError(f"example {self.id!r}: length must be >= 0 and prompt_tokens >= 1")
+        if not self.lengths:
+            object.__setattr__(self, "lengths", (self.length,))
+        elif any(n < 0 for n in self.lengths):
+            raise ValueError(f"example {self.id!r}: every sample length must be >= 0 (field 'lengths')")
 
 
 def require_file(field: str, path: Path | str) -> None:
@@ -164,7 +174,7 @@ def join_examples(prompts: Sequence[PromptRow], labels: Sequence[Label]) -> list
     """One ``Example`` per label, in label order, after checking every id is known."""
     check_labels_match(labels, prompts)
     by_id = {p.id: p for p in prompts}
-    return [Example(lab.id, by_id[lab.id].prompt, lab.prompt_tokens, lab.length, by_id[lab.id].source)
+    return [Example(lab.id, by_id[lab.id].prompt, lab.prompt_tokens, lab.length, by_id[lab.id].source, lab.lengths)
             for lab in labels]
 
 

@@ -71,7 +71,7 @@ def _rss_mb() -> float:
 
 
 def obtain_predictor(backend: str, granularity: int, data: Dataset, model_dir: Optional[Path],
-                     retrain: bool, options: Optional[dict]) -> tuple[LengthPredictor, str]:
+                     retrain: bool, options: Optional[dict], targets: str = "median") -> tuple[LengthPredictor, str]:
     """A trained predictor: loaded from its artefact folder when there, else fitted (and saved)."""
     from predictors.registry import load_predictor
 
@@ -79,17 +79,18 @@ def obtain_predictor(backend: str, granularity: int, data: Dataset, model_dir: O
     if not predictor.needs_fit:
         return predictor.fit(data.train), "none needed"
     folder = (Path(model_dir) / f"g{granularity}" if model_dir
-              else artefact_dir(backend, granularity, data.labels_path, options))
+              else artefact_dir(backend, granularity, data.labels_path, options, targets=targets))
     if not retrain and (folder / "meta.json").is_file():
         meta = json.loads((folder / "meta.json").read_text()).get("training", {})
         # only a model of this backend, granularity, labels and options, trained with the test
         # split held out, counts as already trained
         same = (meta.get("backend") == backend and meta.get("granularity") == granularity
                 and meta.get("labels_sha1") == file_digest(data.labels_path)
-                and meta.get("options", {}) == (options or {}) and meta.get("n_test_held_out", 0) > 0)
+                and meta.get("options", {}) == (options or {}) and meta.get("n_test_held_out", 0) > 0
+                and meta.get("targets", "median") == targets)
         if same:
             return load_predictor(folder), f"loaded {folder}"
-    cfg = TrainConfig(backend, granularity, data.labels_path, out=folder, options=options or {})
+    cfg = TrainConfig(backend, granularity, data.labels_path, out=folder, options=options or {}, targets=targets)
     predictor, _, summary = train_predictor(cfg, data)
     return predictor, f"fitted in {summary['fit_seconds']} s, saved to {folder}"
 

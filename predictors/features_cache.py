@@ -8,7 +8,6 @@ re-run) nearly free::
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -16,21 +15,12 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from predictors.progress import StepProgress
 
-CHUNK = 1024  # texts per compute call (and per rewrite of the cache file)
 
-
-@contextlib.contextmanager
-def _progress(total: int):
-    """A rich progress bar for long backbone passes (thousands of prompts); silent for short ones."""
-    if total < CHUNK:
-        yield lambda n: None
-        return
-    from rich.progress import Progress
-
-    with Progress(transient=True) as bar:
-        task = bar.add_task("backbone features", total=total)
-        yield lambda n: bar.update(task, advance=n)
+CHUNK = 1024  # texts per rewrite of the cache file (a killed run keeps what it did)
+STEP = 32  # texts per compute call: how often the progress moves (the CPU encoder goes one prompt at a time anyway)
+MIN_PROGRESS = 16  # fewer missing texts than this take a second or two: no progress shown
 
 
 def text_hash(text: str) -> bytes:
@@ -40,7 +30,8 @@ def text_hash(text: str) -> bytes:
 class FeatureCache:
     """Pooled features for texts; computes only the missing ones and appends them to the file."""
 
-    def __init__(self, folder: Optional[Path], settings: dict):
+    def __init__(self, folder: Optional[Path], settings: dict, name: str = "predictor"):
+        self.name = name  # who computes: the progress line says "<name>: backbone features ..."
         key = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
         self.file = Path(folder) / "features" / f"{key}.npz" if folder else None
         self._rows: dict[bytes, np.ndarray] = {}
@@ -49,16 +40,19 @@ class FeatureCache:
                 self._rows = dict(zip((bytes(h) for h in data["hashes"]), data["feats"]))
 
     def get(self, texts: Sequence[str], compute: Callable[[list[str]], np.ndarray]) -> np.ndarray:
-        """Features for ``texts`` in order; ``compute`` runs on the texts not cached yet, a chunk at
-        a time, and the file is rewritten after each chunk (a killed run keeps what it did)."""
+        """Features for ``texts`` in order; ``compute`` runs on the texts not cached yet, ``STEP`` at
+        a time (with progress and an ETA on stderr when there are many), and the file is rewritten
+        every ``CHUNK`` texts and at the end (a killed run keeps what it did)."""
         hashes = [text_hash(t) for t in texts]
         missing = list({h: t for h, t in zip(hashes, texts) if h not in self._rows}.items())
-        with _progress(len(missing)) as advance:
-            for start in range(0, len(missing), CHUNK):
-                part = missing[start:start + CHUNK]
+        total = len(missing) if len(missing) >= MIN_PROGRESS else 0
+        with StepProgress(f"{self.name}: backbone features", total) as progress:
+            for start in range(0, len(missing), STEP):
+                part = missing[start:start + STEP]
                 self._rows.update(zip((h for h, _ in part), compute([t for _, t in part])))
-                self._write()
-                advance(len(part))
+                progress.advance(len(part))
+                if (start + STEP) % CHUNK == 0 or start + STEP >= len(missing):
+                    self._write()
         return np.stack([self._rows[h] for h in hashes]) if hashes else np.zeros((0, 0), np.float32)
 
     def _write(self) -> None:

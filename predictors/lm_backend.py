@@ -109,7 +109,8 @@ class LMPredictor(LengthPredictor):
         """The on-disk feature cache for this backbone's settings (shared by every granularity)."""
         from predictors.train import default_cache_dir
 
-        return FeatureCache(Path(self.cache_dir) if self.cache_dir else default_cache_dir(), self._settings())
+        return FeatureCache(Path(self.cache_dir) if self.cache_dir else default_cache_dir(), self._settings(),
+                            self.name)
 
     def fit(self, examples: Sequence[Example]) -> "LMPredictor":
         texts, num_tokens, y = examples_arrays(examples, self.buckets)

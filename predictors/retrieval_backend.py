@@ -99,7 +99,8 @@ class RetrievalPredictor(LengthPredictor):
         from predictors.train import default_cache_dir
 
         texts = [prompt_of(e)[0] for e in examples]
-        cache = FeatureCache(Path(self.cache_dir) if self.cache_dir else default_cache_dir(), self._settings())
+        cache = FeatureCache(Path(self.cache_dir) if self.cache_dir else default_cache_dir(), self._settings(),
+                             self.name)
         emb = cache.get(texts, self.encoder.encode)
         lengths = np.array([e.length for e in examples])
         self.index = VectorIndex(emb.shape[1], self.capacity)

@@ -96,18 +96,12 @@ def _data_files(name: str, labels, prompts) -> tuple[Path, Path]:
 
 
 def _fit(name: str, granularity: int, labels: Path, prompts: Path, options: dict, out: Path) -> LengthPredictor:
-    from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
+    """Fit now (``train_predictor`` says what on, where it goes, and shows the backbone pass's
+    progress with an ETA); ``aserve predictor prepare`` does this ahead of time."""
     from predictors.train import TrainConfig, load_dataset, train_predictor
 
+    _say(f"length predictor {name}: no trained artefact for granularity {granularity} and {labels.name} "
+         f"(train it ahead with 'aserve predictor prepare --backends {name}'); fitting one now, once")
     data = load_dataset(prompts, labels)
-    _say(f"length predictor {name}: no trained artefact for granularity {granularity} and {labels.name}; "
-         f"fitting one on the {len(data.train)} train-split prompts (once: it is saved to {out})")
-    console = Console(stderr=True)
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
-        progress.add_task(f"fitting the {name} predictor", total=None)
-        backend, _, summary = train_predictor(TrainConfig(name, granularity, labels, prompts, options=options), data)
-    _say(f"length predictor {name}: fitted in {summary['fit_seconds']} s, saved to {out}")
+    backend, _, _ = train_predictor(TrainConfig(name, granularity, labels, prompts, out=out, options=options), data)
     return backend

@@ -68,7 +68,8 @@ class Served:
 def served(kernels):
     cmd = [sys.executable, "cli.py", "serve", "--mode", "disagg", "--prefill", "1", "--decode", "1", "--port", "0",
            "--kv-cache-gb", "0.1", "--threads", "2", "--shutdown-timeout", str(SHUTDOWN_S), "--kernels", kernels,
-           "--chunk-size", "64", "--max-num-batched-tokens", "512"]  # settings given: nothing to profile first
+           "--chunk-size", "64", "--max-num-batched-tokens", "512",  # settings given: nothing to profile first
+           "--predictor", "none"]  # and no predictor to load or fit: this test is about shutting down
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     s = Served(proc)

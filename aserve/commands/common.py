@@ -70,7 +70,9 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
     g.add_argument("--decode-policy", default="greedy", help="greedy | reserve-static | reserve-dynamic")
     g.add_argument("--preemption", default="recompute", help="recompute | swap")
     g.add_argument("--predictor", default="oracle",
-                   help="output-length predictor: none | oracle | sklearn | lm | retrieval | accuracy (a simulation's: the true bucket at --predictor-option accuracy=P; predictors/README.md)")
+                   help="output-length predictor: none | oracle | sklearn | lm | retrieval | accuracy (a simulation's: "
+                        "the true bucket at --predictor-option accuracy=P; predictors/README.md). Default: oracle, "
+                        "except serve (no true length for an API request: aserve/commands/serve_predictor.py)")
     g.add_argument("--predictor-granularity", type=int, default=200,
                    help="length bucket width, tokens: 100 | 200 | 400")
     g.add_argument("--predictor-mode", default="parallel",
@@ -168,11 +170,16 @@ def cluster_config(a: argparse.Namespace):
     from aserve.config import ClusterConfig
 
     options = parse_options(a.predictor_option, "predictor-option")  # a bad flag errs before any profiling
+    predictor = a.predictor
+    if predictor is None:  # serve left it to its default (serve_predictor.py)
+        from aserve.commands.serve_predictor import serve_predictor
+
+        predictor = serve_predictor(a, options)[0]
     chunk = a.chunk_size or measured_engine(a).saturate_chunk()
     return ClusterConfig(mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, num_coupled=a.instances,
                          prefill_policy=a.prefill_policy, prefill_sched_batch=a.prefill_sched_batch,
                          chunk_size=chunk, pad=not a.no_pad, dispatch=a.dispatch, decode_policy=a.decode_policy,
-                         preemption=a.preemption, predictor=a.predictor, predictor_granularity=a.predictor_granularity,
+                         preemption=a.preemption, predictor=predictor, predictor_granularity=a.predictor_granularity,
                          predictor_mode=a.predictor_mode, predictor_timeout_s=a.predictor_timeout,
                          predictor_features=a.predictor_features,
                          predictor_options=options,

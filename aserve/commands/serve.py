@@ -11,7 +11,8 @@ import sys
 import threading
 from typing import Optional
 
-from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config, engine_config
+from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config, engine_config, parse_options
+from aserve.commands.serve_predictor import serve_predictor
 from aserve.event_loop import run as run_loop
 
 # After SIGINT/SIGTERM the process is gone within --shutdown-timeout + EXIT_MARGIN_S on any machine:
@@ -41,7 +42,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--tui", action="store_true", help="draw the live monitor in this terminal (docs/MONITOR.md)")
     add_cluster_args(p)
     add_engine_args(p)
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve, predictor=None)  # None: serve_predictor.py picks, and says why
     return p
 
 
@@ -55,9 +56,11 @@ def server_settings(a: argparse.Namespace):
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    a.predictor, why = serve_predictor(a, parse_options(a.predictor_option, "predictor-option"))
     engine, cluster_cfg, settings = engine_config(a), cluster_config(a), server_settings(a)
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
+    print(f"aserve: length predictor {a.predictor} ({why})", file=sys.stderr, flush=True)
     run_loop(_serve(engine, cluster_cfg, settings, a.host, a.port, a.served_model_name, a.model, a.tui))
     return 0
 
