@@ -110,7 +110,7 @@ class ClusterConfig:
     placement_step_s: float = 0.01  # fixed seconds of a step
     placement_prefill_token_s: float = 1e-3  # seconds a prompt token adds to a step
     placement_decode_row_s: float = 1e-3  # seconds a decode row adds to a step
-    interference: float = 1.0  # weight of running decodes' slowdown against a prompt's wait
+    interference: float = 0.3  # weight of running decodes' slowdown against a prompt's wait
     on_failure: str = "rerun"  # rerun | error: what happens to a failed instance's requests
     transfer_timeout_s: float = 30.0  # a KV transfer slower than this is retried elsewhere
     transfer_retries: int = 2  # retries on other decode instances before on_transfer_failure applies

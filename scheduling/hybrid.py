@@ -63,6 +63,18 @@ class HybridScheduler(DecodeScheduler):
         self.hybrid = HybridConfig(self.hybrid.token_budget, self.hybrid.min_chunk, hand_over)
 
     # --- schedule -------------------------------------------------------------------------
+    def _admit(self) -> list[tuple[int, int]]:
+        """First come, first served: a request that cannot start for want of blocks stops the
+        ones behind it. (The decode scheduler lets later requests that hold their KV pass; here
+        new prompts would pass too, and a preempted request could wait for ever behind them.)"""
+        swap_in: list[tuple[int, int]] = []
+        while self._waiting and len(self._running) < self.config.max_running:
+            request = self._waiting[0]
+            if self._missing(request) > self.blocks.num_free or not (self.admits(request) or not self._running):
+                break
+            self._start(request, swap_in)
+        return swap_in
+
     def _rows(self) -> tuple:
         """Decodes one row each; prompt chunks share what the budget leaves, in admission order."""
         left = self.hybrid.token_budget - sum(_left(r) == 1 for r in self._running)

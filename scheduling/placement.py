@@ -17,9 +17,14 @@ decode instance only when the prefill side's queue is long enough that waiting f
 than the decodes' slowdown. ``step_s``, ``decode_row_s`` and ``prefill_token_s`` come from the
 device's measured cost model (``aserve profile device``; a simulated device's profile).
 
-``keep_local``: a prefill instance whose queue is empty keeps the request it just prefilled and
-decodes it itself when it runs fewer decodes than every decode instance, so idle prefill capacity
-serves decodes (LPHD) and nothing moves.
+``keep_local``: a prefill instance keeps the request it just prefilled and decodes it itself when
+no decode instance has room for it (its KV would otherwise sit idle, waiting), or when it runs
+fewer than ``keep_margin`` decodes more than the least busy decode instance: a hand-over pays
+only where it evens out the decode batches, and idle prefill capacity serves decodes (LPHD).
+
+The defaults (``interference`` 0.3, ``keep_margin`` 2) are the best of a sweep over the five
+workloads on ``sim:local`` (docs/BENCHMARKS.md, "Adaptive"): a weight of 1 kept heavy prompts
+off the decode instance at the price of TTFT (HPLD 3.9 s against coupled 2.6 s), 0 cost JCT.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from scheduling.block_manager import blocks_needed
+
 
 
 @dataclass(frozen=True)
@@ -52,14 +58,15 @@ class PlacementConfig:
     step_s: float = 0.01  # fixed seconds of any step (reading the weights)
     prefill_token_s: float = 1e-3  # seconds a prompt token adds to a step
     decode_row_s: float = 1e-3  # seconds a decode row adds to a step
-    interference: float = 1.0  # weight of the decodes' slowdown against the prompt's own wait
+    interference: float = 0.3  # weight of the decodes' slowdown against the prompt's own wait
     min_chunk: int = 16  # prompt tokens a hybrid step carries at least
+    keep_margin: int = 2  # a prefill instance keeps a prefilled request unless it decodes this many more
 
     def __post_init__(self):
         for name in ("step_s", "prefill_token_s", "decode_row_s", "interference"):
             if getattr(self, name) < 0:
                 raise ValueError(f"placement {name} must be >= 0, got {getattr(self, name)}")
-        if self.token_budget < 1 or self.min_chunk < 1:
+        if self.token_budget < 1 or self.min_chunk < 1 or self.keep_margin < 0:
             raise ValueError(f"placement token_budget and min_chunk must be >= 1, got {self}")
 
 
@@ -92,10 +99,13 @@ class Placement:
             return None
         return min(fit, key=lambda ld: (self.cost_s(ld, num_prompt_tokens), ld.role != "prefill", ld.instance_id))
 
-    @staticmethod
-    def keep_local(src: EntryLoad, decode_loads: Sequence[EntryLoad]) -> bool:
-        """Whether a prefill instance keeps a request it prefilled: its own queue is empty and
-        it decodes fewer requests than every decode instance (or there is none with room)."""
-        if src.queued_tokens > 0:
-            return False
-        return all(src.num_decodes < ld.num_decodes for ld in decode_loads)
+    def keep_local(self, src: EntryLoad, decode_loads: Sequence[EntryLoad], need_blocks: int) -> bool:
+        """Whether a prefill instance keeps a request it prefilled (``need_blocks``: its prompt
+        plus predicted output) and decodes it itself: when no decode instance has the room (its
+        KV would sit idle here, waiting for some), or when it runs fewer than ``keep_margin``
+        decodes more than the least busy decode instance. A hand-over costs a copy and a token
+        gap and only pays when it evens out the decode batches; idle prefill capacity serves
+        decodes (LPHD), and a prefill instance whose prompts keep it busy keeps few."""
+        if not any(ld.free_blocks >= need_blocks for ld in decode_loads):
+            return True
+        return all(src.num_decodes < ld.num_decodes + self.config.keep_margin for ld in decode_loads)

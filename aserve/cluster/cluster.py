@@ -41,6 +41,7 @@ from aserve.engine.policies import Policies
 from aserve.engine.stops import StopChecker
 from aserve.predict.online import OnlinePredictor
 from scheduling.clock import Clock, MonotonicClock
+from scheduling.dispatch import predicted_total_blocks
 from scheduling.hybrid import HybridScheduler
 from scheduling.placement import EntryLoad, Placement, PlacementConfig
 from scheduling.request import Request, SamplingParams
@@ -312,7 +313,8 @@ class Cluster:
         src = loads.get(instance.id)
         if src is None:
             return False
-        return self.placement.keep_local(src, [ld for ld in loads.values() if ld.role == "decode"])
+        need = predicted_total_blocks(req, src.block_size)
+        return self.placement.keep_local(src, [ld for ld in loads.values() if ld.role == "decode"], need)
 
     def _check_capacity(self, req: Request) -> None:
         """Refuse, before the request enters the table, what no instance's KV pool could ever hold."""
