@@ -88,8 +88,7 @@ class HybridScheduler(DecodeScheduler):
                 if n <= 0:
                     continue
             start = r.num_computed_tokens
-            if n > 1 or start + n == r.num_tokens:
-                r.times.setdefault("scheduled", self.clock.now())
+            r.times.setdefault("scheduled", self.clock.now())  # its first step here: its queue time ends
             rows.append(seq_step(r, start, start + n, sample=start + n == r.num_tokens))
         return tuple(rows)
 
