@@ -11,8 +11,8 @@ In ``coupled`` mode every instance does both phases with its batching policy and
 scheduler picks the least-loaded one. In ``adaptive`` mode every instance can prefill in chunks
 beside its decodes (scheduling/hybrid.py): the global scheduler (scheduling/placement.py) sends a
 prompt to the instance where it costs least, a decode instance included (its KV then never
-moves), and a prefill instance with nothing queued keeps what it prefilled. Everything here runs
-on the event-loop thread.
+moves), and a prefill instance keeps decoding what it prefilled unless a decode instance is
+clearly less busy (``Placement.keep_local``). Everything here runs on the event-loop thread.
 
 The cluster is every instance's ``InstanceHost``: instances report once a step (``on_step``) or
 when they fail (``on_failure``), and the cluster reaches them through their façade. Lifecycle
@@ -306,7 +306,8 @@ class Cluster:
         return True
 
     def _keeps(self, instance: Instance, req: Request) -> bool:
-        """Adaptive: a prefill instance with nothing queued keeps a prompt it just prefilled."""
+        """Adaptive: whether a prefill instance keeps a prompt it just prefilled and decodes it
+        (``Placement.keep_local``); a draining instance keeps nothing."""
         if not isinstance(instance.scheduler, HybridScheduler) or req.num_output_tokens != 1:
             return False  # a migrating decode (more tokens) must leave
         loads = {ld.instance_id: ld for ld in self.entry_loads()}
