@@ -55,7 +55,7 @@ class EngineConfig:
             raise ValueError(f"bad device {self.device!r}: cpu, cuda[:i] or sim:PROFILE")
 
 
-MODES = ("disagg", "coupled")
+MODES = ("disagg", "coupled", "adaptive")
 DEVICE_BACKENDS = ("local", "ray")  # where instances run (ClusterConfig.backend)
 TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
 PREDICTOR_FEATURES = ("auto", "prefill", "prompt")
@@ -65,7 +65,7 @@ PREDICTOR_FEATURES = ("auto", "prefill", "prompt")
 class ClusterConfig:
     """The instances and the policies between them (TetriInfer's knobs and the baselines')."""
 
-    mode: str = "disagg"
+    mode: str = "disagg"  # disagg | coupled | adaptive (prefill and decode roles over hybrid schedulers)
     num_prefill: int = 1
     num_decode: int = 1
     num_coupled: int = 2
@@ -102,6 +102,15 @@ class ClusterConfig:
     flip_window_s: float = 10.0  # ratio: the sliding window of measured work
     flip_idle_s: float = 60.0  # idle: how long an instance must be idle (the paper: a minute)
     flip_check_s: float = 0.25  # how often the transition watcher asks the policy
+    flip_band: float = 0.1  # ratio: hysteresis, the work share must pass the split by this much to flip
+    flip_dwell_s: float = 0.0  # ratio: an instance keeps a role at least this long (0: the window)
+    flip_cooldown_s: float = 0.0  # ratio: seconds between two flips anywhere (0: the window)
+    flip_migrate: bool = True  # adaptive: a decode instance turning prefill moves its decodes out by KV
+    # adaptive mode's placement (scheduling/placement.py): step costs from the measured device
+    placement_step_s: float = 0.01  # fixed seconds of a step
+    placement_prefill_token_s: float = 1e-3  # seconds a prompt token adds to a step
+    placement_decode_row_s: float = 1e-3  # seconds a decode row adds to a step
+    interference: float = 0.3  # weight of running decodes' slowdown against a prompt's wait
     on_failure: str = "rerun"  # rerun | error: what happens to a failed instance's requests
     transfer_timeout_s: float = 30.0  # a KV transfer slower than this is retried elsewhere
     transfer_retries: int = 2  # retries on other decode instances before on_transfer_failure applies
@@ -122,7 +131,7 @@ class ClusterConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"bad mode {self.mode!r}: choose one of {', '.join(MODES)}")
-        counts = (self.num_prefill, self.num_decode) if self.mode == "disagg" else (self.num_coupled,)
+        counts = (self.num_prefill, self.num_decode) if self.split else (self.num_coupled,)
         if min(counts) < 1:
             raise ValueError(f"{self.mode} mode needs at least one instance of each kind, got {counts}")
         for value, kind, field in ((self.prefill_policy, "prefill", "prefill_policy"), (self.dispatch, "dispatch", "dispatch"),
@@ -145,6 +154,10 @@ class ClusterConfig:
         for name in ("flip_window_s", "flip_idle_s", "flip_check_s", "transfer_timeout_s", "lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("flip_band", "flip_dwell_s", "flip_cooldown_s", "placement_step_s", "placement_prefill_token_s",
+                     "placement_decode_row_s", "interference"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.device_share not in ("shared", "dedicated"):
             raise ValueError(f"bad device_share {self.device_share!r}: shared or dedicated")
         if self.transfer_retries < 0:
@@ -157,6 +170,11 @@ class ClusterConfig:
                              "backend ray every instance is a process of its own: use device_share 'shared'")
         if not self.actor_start_timeout_s > 0:
             raise ValueError(f"actor_start_timeout_s must be > 0, got {self.actor_start_timeout_s}")
+
+    @property
+    def split(self) -> bool:
+        """Prefill and decode roles (disagg, adaptive), not coupled instances."""
+        return self.mode in ("disagg", "adaptive")
 
     @property
     def ray_address(self) -> Optional[str]:

@@ -96,7 +96,8 @@ class DecodeScheduler(Scheduler):
         """The prompt KV has fully arrived; the request carries its first sampled token."""
         request.block_ids = self._incoming.pop(request.request_id)
         self._incoming_at.pop(request.request_id, None)
-        assert request.num_computed_tokens == request.num_prompt_tokens and request.output_token_ids
+        # a prefilled prompt, or a migrated decode: all but the last sampled token are in the KV
+        assert request.num_computed_tokens == request.num_tokens - 1 and request.output_token_ids
         request.status = Status.WAITING
         self._waiting.append(request)
 
@@ -144,13 +145,15 @@ class DecodeScheduler(Scheduler):
             if request.request_id not in preempted:
                 self._grow_or_preempt(request, preempted, swap_out)
         swap_in = [] if preempted else self._admit()  # no churn: nothing joins a step that preempts
-        # every running request catches up to its last token and samples the next
-        seqs = tuple(seq_step(r, r.num_computed_tokens, r.num_tokens, sample=True) for r in self._running)
-        plan = StepPlan(seqs, swap_out=tuple(swap_out), swap_in=tuple(swap_in), preempted_ids=tuple(preempted))
+        plan = StepPlan(self._rows(), swap_out=tuple(swap_out), swap_in=tuple(swap_in), preempted_ids=tuple(preempted))
         if plan.empty:
             return EMPTY_PLAN
         self._inflight = plan
         return plan
+
+    def _rows(self) -> tuple:
+        """The step's rows: every running request catches up to its last token and samples the next."""
+        return tuple(seq_step(r, r.num_computed_tokens, r.num_tokens, sample=True) for r in self._running)
 
     def _grow_or_preempt(self, request: Request, preempted: list, swap_out: list) -> None:
         while True:
@@ -230,6 +233,8 @@ class DecodeScheduler(Scheduler):
                 continue  # aborted while the step ran
             assert request.num_computed_tokens == s.start_pos
             request.num_computed_tokens = s.end_pos
+            if s.request_id not in output.sampled:
+                continue  # a prompt chunk short of its end (a hybrid step, scheduling/hybrid.py)
             assert request.num_computed_tokens == request.num_tokens, s.request_id
             request.output_token_ids.append(output.sampled[s.request_id])
             request.token_times.append(now)

@@ -16,6 +16,10 @@ touch instances, so they are tested with made-up views and a fake clock.
             measured seconds per decode token's step. The target is ``round(N * Wp / (Wp + Wd))``
             prefill instances, kept in ``[1, N - 1]``; a flip waits for ``cooldown_s`` after the
             previous one, and nothing flips while the cluster is nearly idle.
+            Hysteresis: the prefill share of the work must pass the midpoint between the current
+            split and the next by ``band`` (a share of the cluster) before an instance moves, so
+            a share hovering at a midpoint does not flap; and an instance keeps a role at least
+            ``dwell_s`` (its own clock, from its last flip) before it is chosen to move again.
 """
 from __future__ import annotations
 
@@ -66,7 +70,7 @@ class FlipPolicy:
     def decide(self, now: float, views: Sequence[InstanceView]) -> Optional[FlipDecision]:
         return None
 
-    def note_flip(self, now: float) -> None:
+    def note_flip(self, now: float, instance_id: Optional[str] = None) -> None:
         """A flip happened (whoever asked for it); policies with a cooldown restart it."""
 
 
@@ -105,11 +109,17 @@ class RatioFlipPolicy(FlipPolicy):
     name = "ratio"
 
     def __init__(self, window_s: float = 10.0, cooldown_s: Optional[float] = None, min_busy: float = 0.2,
-                 prefill_s_per_token: float = 1e-3, decode_s_per_token: float = 2e-3):
+                 prefill_s_per_token: float = 1e-3, decode_s_per_token: float = 2e-3, band: float = 0.0,
+                 dwell_s: Optional[float] = None):
         if window_s <= 0 or min_busy < 0:
             raise ValueError(f"flip window_s must be > 0 and min_busy >= 0, got {window_s}, {min_busy}")
+        if not 0 <= band < 0.5:
+            raise ValueError(f"flip band must be in [0, 0.5), got {band}")
         self.window_s = window_s
         self.cooldown_s = window_s if cooldown_s is None else cooldown_s
+        self.band = band
+        self.dwell_s = window_s if dwell_s is None else dwell_s
+        self._role_since: dict[str, float] = {}  # instance -> when it took its role (or was first seen)
         self.min_busy = min_busy  # fraction of one instance-window below which nothing flips
         self.prior = (prefill_s_per_token, decode_s_per_token)  # until measured
         self._history: deque[tuple[float, float, float, int, int]] = deque()
@@ -117,8 +127,10 @@ class RatioFlipPolicy(FlipPolicy):
         self._started: Optional[float] = None
         self.last_work: tuple[float, float] = (0.0, 0.0)  # (prefill, decode) seconds: for logs and tests
 
-    def note_flip(self, now: float) -> None:
+    def note_flip(self, now: float, instance_id: Optional[str] = None) -> None:
         self._last_flip = now
+        if instance_id is not None:
+            self._role_since[instance_id] = now
 
     def decide(self, now: float, views: Sequence[InstanceView]) -> Optional[FlipDecision]:
         totals = (sum(v.prefill_busy_s for v in views), sum(v.decode_busy_s for v in views),
@@ -128,6 +140,8 @@ class RatioFlipPolicy(FlipPolicy):
             self._history.popleft()
         if self._started is None:
             self._started = now
+        for v in views:
+            self._role_since.setdefault(v.id, now)
         t0, p0, d0, pt0, dt0 = self._history[0]
         if now - self._started < self.window_s or now - self._last_flip < self.cooldown_s:
             return None
@@ -144,12 +158,28 @@ class RatioFlipPolicy(FlipPolicy):
         self.last_work = (work_p, work_d)
         if work_p + work_d < self.min_busy * (now - t0 or self.window_s):
             return None
-        target = min(n - 1, max(1, round(n * work_p / (work_p + work_d))))
+        target = self._target(n, len(prefill), work_p / (work_p + work_d))
         share = f"prefill work {work_p:.2f}s vs decode {work_d:.2f}s over {now - t0:.1f}s"
+        settled = lambda v: now - self._role_since[v.id] >= self.dwell_s  # noqa: E731
         if target > len(prefill):
-            victim = min(decode, key=lambda v: (v.decode_requests, v.id))
-            return FlipDecision(victim.id, "prefill", f"{share}: want {target} prefill instances")
+            movable = [v for v in decode if settled(v)]
+            if movable:
+                victim = min(movable, key=lambda v: (v.decode_requests, v.id))
+                return FlipDecision(victim.id, "prefill", f"{share}: want {target} prefill instances")
         if target < len(prefill):
-            victim = min(prefill, key=lambda v: (v.queued_tokens, v.id))
-            return FlipDecision(victim.id, "decode", f"{share}: want {target} prefill instances")
+            movable = [v for v in prefill if settled(v)]
+            if movable:
+                victim = min(movable, key=lambda v: (v.queued_tokens, v.id))
+                return FlipDecision(victim.id, "decode", f"{share}: want {target} prefill instances")
         return None
+
+    def _target(self, n: int, num_prefill: int, share: float) -> int:
+        """Prefill instances wanted for a prefill work ``share``: one more only once the share
+        passes the midpoint to that split by ``band``, one fewer only once it falls that far
+        below the midpoint to the split under it; always in ``[1, n - 1]``."""
+        target = num_prefill
+        while target < n - 1 and share > (target + 0.5) / n + self.band:
+            target += 1
+        while target > 1 and share < (target - 0.5) / n - self.band:
+            target -= 1
+        return target

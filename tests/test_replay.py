@@ -41,8 +41,9 @@ def replayed(tmp_path_factory):
     prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: why is the sky blue?"}) + "\n" for i in range(5)))
     args = parser().parse_args([
         "replay", str(trace), "--prompts", str(prompts), "--max-output-tokens", "7",
-        "--compare", "tetri: --mode disagg --prefill 1 --decode 1 ; vllm: --mode coupled --instances 2 --batching vllm",
-        "--kv-cache-gb", "0.05", "--chunk-size", "128", "--max-num-batched-tokens", "512", "--json", str(tmp / "out.json"), "--plots", str(tmp / "plots"), "--step-log", str(tmp / "steps.jsonl"),
+        "--compare", "tetri: --mode disagg --prefill 1 --decode 1 --pad ; vllm: --mode coupled --instances 2 --batching vllm",
+        "--kv-cache-gb", "0.05", "--chunk-size", "128", "--max-num-batched-tokens", "512", "--json", str(tmp / "out.json"),
+        "--plots", str(tmp / "plots"), "--step-log", str(tmp / "steps.jsonl"),
         "--slo", "ttft=30,tbt=5", "--no-progress"])
     rc = args.func(args)
     return rc, json.loads((tmp / "out.json").read_text()), tmp

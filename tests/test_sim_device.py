@@ -107,3 +107,19 @@ def test_set_accuracy_predictor(tmp_path):
         assert set(got) <= {1, 2, 3} and got == [x.bucket for x in p.predict(reqs)]  # deterministic
     with pytest.raises(ValueError, match="accuracy must be in"):
         SetAccuracyPredictor(accuracy=1.5, confusion=str(confusion))
+
+
+def test_adaptive_sim_replay_prefills_on_both_roles_and_returns_every_block(tmp_path):
+    """A burst of heavy prompts on 1P+1D adaptive: the prefill queue grows, so the decode instance
+    prefills some of them itself (its KV never moves); every request ends and both pools are
+    whole again."""
+    trace = [{"timestamp": 0.01 * i, "prompt_tokens": 300 + 20 * i, "output_tokens": 4 + i % 5} for i in range(16)]
+    report = replay_sim(tmp_path, trace, "--mode", "adaptive", "--prefill", "1", "--decode", "1",
+                        "--max-num-batched-tokens", "256", "--predictor", "none")
+    (s,) = report["systems"].values()
+    assert s["completed"] == 16 and s["output_tokens"] == sum(r["output_tokens"] for r in trace)
+    by_role = {i["role"]: i for i in s["instances"]}
+    assert by_role["decode"]["prefill_tokens"] > 0 and by_role["prefill"]["prefill_tokens"] > 0
+    for inst in s["instances"]:
+        assert inst["free_blocks_end"] == inst["free_blocks_start"], inst
+    assert s["padding_tokens"] == 0 and s["flips_per_min"] == 0

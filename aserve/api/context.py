@@ -64,7 +64,7 @@ class ServeContext:
             return "the cluster is not running"
         live = {inst.role for inst in self.cluster.instances.values()
                 if inst.state not in ("failed", "removed") and inst.is_running}
-        need = {"prefill", "decode"} if self.cluster.cfg.mode == "disagg" else {"coupled"}
+        need = {"prefill", "decode"} if self.cluster.cfg.split else {"coupled"}
         missing = sorted(need - live)
         return f"no live {' or '.join(missing)} instance" if missing else None
 

@@ -8,7 +8,11 @@
     monitor task: every monitor_interval_s collect decode loads, broadcast to prefill dispatchers
 
 In ``coupled`` mode every instance does both phases with its batching policy and the global
-scheduler picks the least-loaded one. Everything here runs on the event-loop thread.
+scheduler picks the least-loaded one. In ``adaptive`` mode every instance can prefill in chunks
+beside its decodes (scheduling/hybrid.py): the global scheduler (scheduling/placement.py) sends a
+prompt to the instance where it costs least, a decode instance included (its KV then never
+moves), and a prefill instance keeps decoding what it prefilled unless a decode instance is
+clearly less busy (``Placement.keep_local``). Everything here runs on the event-loop thread.
 
 The cluster is every instance's ``InstanceHost``: instances report once a step (``on_step``) or
 when they fail (``on_failure``), and the cluster reaches them through their façade. Lifecycle
@@ -37,6 +41,9 @@ from aserve.engine.policies import Policies
 from aserve.engine.stops import StopChecker
 from aserve.predict.online import OnlinePredictor
 from scheduling.clock import Clock, MonotonicClock
+from scheduling.dispatch import predicted_total_blocks
+from scheduling.hybrid import HybridScheduler
+from scheduling.placement import EntryLoad, Placement, PlacementConfig
 from scheduling.request import Request, SamplingParams
 from scheduling.step import TokenLogprobs
 
@@ -58,6 +65,10 @@ class Cluster:
         self.handoff = Handoff(cfg, self.clock, self.log, self.instances, self.finish, self.lifecycle.rerun,
                                self.lifecycle.recompute)
         self.predictor = OnlinePredictor(cfg)
+        self.placement = Placement(PlacementConfig(
+            engine.max_num_batched_tokens, cfg.placement_step_s, cfg.placement_prefill_token_s,
+            cfg.placement_decode_row_s, cfg.interference))
+        self.placements = {"prefill": 0, "decode": 0, "kept": 0}  # adaptive: where prompts went
         self.stops: Optional[StopChecker] = None
         self.loop_lag_s = 0.0
         self.started = False
@@ -138,7 +149,7 @@ class Cluster:
 
     # ---- instances ---------------------------------------------------------------------------
     def _roles(self) -> list[str]:
-        if self.cfg.mode == "disagg":
+        if self.cfg.split:
             return ["prefill"] * self.cfg.num_prefill + ["decode"] * self.cfg.num_decode
         return ["coupled"] * self.cfg.num_coupled
 
@@ -256,7 +267,8 @@ class Cluster:
         ``background`` (coupled vllm/sarathi read no prediction: it is only scored)."""
         if self.cfg.predictor_mode == "sequential" or (self.cfg.mode == "coupled" and self.engine.batching == "alise"):
             return "place"
-        return "background" if self.cfg.mode == "coupled" else "handoff"
+        # adaptive: a prompt prefilled where it decodes has no hand-over to wait at
+        return "handoff" if self.cfg.mode == "disagg" else "background"
 
     async def _place_when_predicted(self, handle: RequestHandle) -> None:
         await self.predictor.attach(handle.request)
@@ -270,6 +282,8 @@ class Cluster:
         or coupled). A request that already streamed tokens and has no coupled instance to go to
         is taken by a decode instance, which recomputes its prompt + output in one step."""
         req = handle.request
+        if self.cfg.mode == "adaptive":
+            return self._place_adaptive(handle)
         entry = [i for i in self.instances.values() if i.role in ("prefill", "coupled") and i.state == "active"]
         if entry and not (req.output_token_ids and entry[0].role == "prefill"):
             inst = min(entry, key=lambda i: (i.num_queued_tokens, i.id))
@@ -284,6 +298,43 @@ class Cluster:
             handle.instance_id, handle.decode_instance, handle.phase = inst.id, inst.id, "decode"
         inst.submit(req)
         return True
+
+    def entry_loads(self) -> list[EntryLoad]:
+        """Adaptive: every active instance as the placement sees it."""
+        loads = []
+        for inst in self.instances.values():
+            if inst.state == "active" and isinstance(inst.scheduler, HybridScheduler):
+                loads.append(EntryLoad(inst.id, inst.role, inst.num_queued_tokens, inst.scheduler.num_decoding,
+                                       inst.blocks.num_free, inst.blocks.block_size))
+        return loads
+
+    def _place_adaptive(self, handle: RequestHandle) -> bool:
+        """Adaptive: the instance where the prompt (or a re-run's prompt + output) costs least."""
+        req = handle.request
+        chosen = self.placement.choose(self.entry_loads(), req.num_tokens)
+        if chosen is None:
+            return False
+        inst = self.instances[chosen.instance_id]
+        handle.instance_id, handle.phase = inst.id, "prefill"
+        if inst.role == "prefill":
+            handle.prefill_instance = inst.id
+        else:
+            handle.decode_instance = inst.id
+        self.placements[inst.role] += 1
+        inst.submit(req)
+        return True
+
+    def _keeps(self, instance: Instance, req: Request) -> bool:
+        """Adaptive: whether a prefill instance keeps a prompt it just prefilled and decodes it
+        (``Placement.keep_local``); a draining instance keeps nothing."""
+        if not isinstance(instance.scheduler, HybridScheduler) or req.num_output_tokens != 1:
+            return False  # a migrating decode (more tokens) must leave
+        loads = {ld.instance_id: ld for ld in self.entry_loads()}
+        src = loads.get(instance.id)
+        if src is None:
+            return False
+        need = predicted_total_blocks(req, src.block_size)
+        return self.placement.keep_local(src, [ld for ld in loads.values() if ld.role == "decode"], need)
 
     def _check_capacity(self, req: Request) -> None:
         """Refuse, before the request enters the table, what no instance's KV pool could ever hold."""
@@ -339,6 +390,11 @@ class Cluster:
         for req in report.prefilled:
             handle = self.requests.get(req.request_id)
             if handle is None or handle.phase == "done":
+                continue
+            if self._keeps(instance, req):
+                instance.keep_kv(req.request_id)
+                handle.phase, handle.decode_instance = "decode", instance.id
+                self.placements["kept"] += 1
                 continue
             handle.phase = "transfer"
             self.spawn(self._handoff(instance, handle))

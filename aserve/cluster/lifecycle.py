@@ -7,7 +7,13 @@ Flip (TetriInfer §3.5, Figure 10)::
               │  prefill: the global scheduler stops sending it requests
               │  decode:  every dispatcher stops choosing it; it finishes what it runs
 
-Only the role variable and the scheduler object change: the step loop's task, the model weights,
+Adaptive mode (scheduling/hybrid.py) flips without a drain: every instance already runs the
+same scheduler, so only the role and its hand-over switch change, at once. A decode instance
+turning prefill moves its running decodes to the decode instances by KV migration (each leaves
+after its next token, through the same hand-over as a prefilled prompt; ``flip_migrate``), so it
+starts prefilling at full budget without waiting for them to end.
+
+Otherwise only the role variable and the scheduler object change: the step loop's task, the model weights,
 the device and its KV pool stay. ``drain_s`` and ``flip_s`` (the switch alone, the paper's 5-7
 ms) are recorded separately. ``remove`` drains the same way, then stops the instance and frees
 its device.
@@ -90,7 +96,9 @@ class Lifecycle:
 
     def _flip_options(self) -> dict:
         if self.cfg.flip == "ratio":
-            return {"window_s": self.cfg.flip_window_s}
+            cfg = self.cfg
+            return {"window_s": cfg.flip_window_s, "cooldown_s": cfg.flip_cooldown_s or None,
+                    "band": cfg.flip_band, "dwell_s": cfg.flip_dwell_s or None}
         if self.cfg.flip == "idle":
             return {"idle_s": self.cfg.flip_idle_s}
         return {}
@@ -101,7 +109,7 @@ class Lifecycle:
         threads = self.plane.threads_per_instance(len(roles))
         for role in roles:
             self._create(role, threads)
-        if self.cfg.flip != "off" and self.cfg.mode == "disagg":
+        if self.cfg.flip != "off" and self.cfg.split:
             self._watcher = asyncio.create_task(self._watch(), name="flip-watcher")
 
     def stop(self) -> None:
@@ -182,12 +190,14 @@ class Lifecycle:
     async def flip(self, iid: str, to_role: Optional[str] = None, reason: str = "asked") -> dict:
         """Drain instance ``iid`` and switch it to ``to_role`` (default: the other role)."""
         inst = self.get(iid)
-        if self.cfg.mode != "disagg":
-            raise InstanceError("flips need disaggregated mode")
+        if not self.cfg.split:
+            raise InstanceError("flips need disaggregated or adaptive mode")
         to_role = to_role or other_role(inst.role)
         if to_role == inst.role or to_role not in ("prefill", "decode"):
             raise InstanceError(f"cannot flip {iid} from {inst.role} to {to_role}", 400)
         self._check_leaving(inst, "flip")
+        if self.cfg.mode == "adaptive":
+            return self._flip_live(inst, to_role, reason)
         self._changing.add(iid)
         try:
             drain_s = await self._drain(inst)
@@ -204,11 +214,24 @@ class Lifecycle:
         finally:
             self._changing.discard(iid)
             self.plane.broadcast()
-        record = {"time": time.time(), "instance": iid, "from": from_role, "to": to_role,
+        return self._record_flip(iid, from_role, to_role, drain_s, flip_s, reason)
+
+    def _flip_live(self, inst: Instance, to_role: str, reason: str) -> dict:
+        """Adaptive: switch at once; a new prefill instance's decodes move out by KV migration."""
+        t0, from_role = time.perf_counter(), inst.role
+        inst.change_role_live(to_role)
+        moved = inst.migrate_decodes() if to_role == "prefill" and self.cfg.flip_migrate else []
+        self.plane.broadcast()  # its dispatcher (a new prefill instance) needs the decode loads now
+        record = self._record_flip(inst.id, from_role, to_role, 0.0, time.perf_counter() - t0, reason)
+        record["migrated"] = len(moved)
+        return record
+
+    def _record_flip(self, iid: str, from_role: str, to_role: str, drain_s: float, flip_s: float, reason: str) -> dict:
+        record = {"time": time.time(), "at": self.clock.now(), "instance": iid, "from": from_role, "to": to_role,
                   "drain_s": drain_s, "flip_s": flip_s, "reason": reason}
         self.flip_log.append(record)
         self.counts["flips"] += 1
-        self.flip_policy.note_flip(self.clock.now())
+        self.flip_policy.note_flip(self.clock.now(), iid)
         self.log.log("flip", iid, f"{from_role} -> {to_role} (drain {drain_s * 1e3:.0f} ms, "
                                  f"flip {flip_s * 1e3:.1f} ms): {reason}")
         return record

@@ -54,7 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -> None:
     g = p.add_argument_group("cluster")
-    g.add_argument("--mode", default=default_mode, help="disagg (prefill and decode instances) | coupled"
+    g.add_argument("--mode", default=default_mode,
+                   help="disagg (prefill and decode instances) | coupled | adaptive (--prefill N --decode M to "
+                        "start; every instance also prefills in budgeted chunks, prompts go where they cost least)"
                    + (" | offline (no cluster)" if default_mode == "offline" else ""))
     g.add_argument("--prefill", type=int, default=1, help="prefill instances (disagg)")
     g.add_argument("--decode", type=int, default=1, help="decode instances (disagg)")
@@ -64,7 +66,10 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
     g.add_argument("--chunk-size", type=int, default=None,
                    help="fixed prefill chunk, tokens (default: the smallest chunk within 10%% of the best prefill "
                         "tokens/s on this machine's measured engine, at the instances' threads)")
-    g.add_argument("--no-pad", action="store_true", help="do not pad the last chunk to the chunk size")
+    g.add_argument("--pad", action="store_true",
+                   help="disagg: pad a chunk the queue cannot fill up to the chunk size (the paper's fixed-size "
+                        "chunks; off by default: pad rows cost compute like real ones and buy nothing)")
+    g.add_argument("--no-pad", action="store_true", help="no padding (the default; kept for old command lines)")
     g.add_argument("--dispatch", default="interference",
                    help="interference | random | round-robin | least-loaded | imbalance")
     g.add_argument("--decode-policy", default="greedy", help="greedy | reserve-static | reserve-dynamic")
@@ -99,6 +104,18 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
     g.add_argument("--flip", default="off", help="instance flips: off | idle | ratio (disagg)")
     g.add_argument("--flip-window", type=float, default=10.0, help="ratio flips: seconds of measured work")
     g.add_argument("--flip-idle", type=float, default=60.0, help="idle flips: seconds an instance must be idle")
+    for flag, default, what in (
+            ("--flip-band", 0.1, "ratio flips: hysteresis, the share of the cluster the prefill work share must pass "
+                                 "a split's midpoint by before an instance moves"),
+            ("--flip-dwell", 0.0, "ratio flips: seconds an instance keeps a role before it may flip again "
+                                  "(0: --flip-window)"),
+            ("--flip-cooldown", 0.0, "ratio flips: seconds between two flips anywhere (0: --flip-window)"),
+            ("--interference", 0.3, "adaptive placement: weight of the running decodes' slowdown against a "
+                                    "prompt's own wait (scheduling/placement.py)")):
+        g.add_argument(flag, type=float, default=default, help=what)
+    g.add_argument("--no-flip-migrate", action="store_true",
+                   help="adaptive: a decode instance turning prefill keeps its decodes instead of moving them out "
+                        "by KV migration")
     g.add_argument("--on-failure", default="rerun", help="a failed instance's requests: rerun | error")
     g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds before a KV transfer is retried")
     g.add_argument("--transfer-retries", type=int, default=2,
@@ -123,7 +140,7 @@ def instance_threads(a: argparse.Namespace) -> int:
     """Torch threads each instance gets: the cores shared evenly (as ``Cluster`` shares them)."""
     cores = a.threads or os.cpu_count() or 1
     mode = getattr(a, "mode", "offline")
-    num = 1 if mode == "offline" else (a.prefill + a.decode if mode == "disagg" else a.instances)
+    num = 1 if mode == "offline" else (a.prefill + a.decode if mode in ("disagg", "adaptive") else a.instances)
     return max(1, cores // max(1, num))
 
 
@@ -166,6 +183,17 @@ def default_token_budget(a: argparse.Namespace, context: Optional[int] = None) -
     return cost.token_budget(slo, BUDGET_DECODE_BATCH, context)
 
 
+def placement_costs(a: argparse.Namespace) -> dict:
+    """Adaptive mode's step costs (scheduling/placement.py) from the measured engine: a step's
+    fixed time, a prompt token's and a decode row's (32 rows at 512 tokens of context)."""
+    if a.mode != "adaptive":
+        return {}
+    cost = measured_engine(a)
+    fixed = cost.linear(1)
+    return {"placement_step_s": fixed, "placement_prefill_token_s": max(0.0, cost.prefill_s(256) - fixed) / 256,
+            "placement_decode_row_s": max(0.0, cost.decode_s(32, 512) - cost.decode_s(1, 512)) / 31}
+
+
 def cluster_config(a: argparse.Namespace):
     from aserve.config import ClusterConfig
 
@@ -178,7 +206,7 @@ def cluster_config(a: argparse.Namespace):
     chunk = a.chunk_size or measured_engine(a).saturate_chunk()
     return ClusterConfig(mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, num_coupled=a.instances,
                          prefill_policy=a.prefill_policy, prefill_sched_batch=a.prefill_sched_batch,
-                         chunk_size=chunk, pad=not a.no_pad, dispatch=a.dispatch, decode_policy=a.decode_policy,
+                         chunk_size=chunk, pad=a.pad and not a.no_pad, dispatch=a.dispatch, decode_policy=a.decode_policy,
                          preemption=a.preemption, predictor=predictor, predictor_granularity=a.predictor_granularity,
                          predictor_mode=a.predictor_mode, predictor_timeout_s=a.predictor_timeout,
                          predictor_features=a.predictor_features,
@@ -187,7 +215,10 @@ def cluster_config(a: argparse.Namespace):
                          predictor_prompts=a.predictor_prompts, link=a.link, emulate_model=a.emulate_model,
                          emulate_kv_bytes_per_token=a.emulate_kv_bytes_per_token,
                          monitor_interval_s=a.monitor_interval, flip=a.flip, flip_window_s=a.flip_window,
-                         flip_idle_s=a.flip_idle, on_failure=a.on_failure, transfer_timeout_s=a.transfer_timeout,
+                         flip_idle_s=a.flip_idle, flip_band=a.flip_band, flip_dwell_s=a.flip_dwell,
+                         flip_cooldown_s=a.flip_cooldown, flip_migrate=not a.no_flip_migrate,
+                         interference=a.interference, **placement_costs(a), on_failure=a.on_failure,
+                         transfer_timeout_s=a.transfer_timeout,
                          transfer_retries=a.transfer_retries, on_transfer_failure=a.on_transfer_failure,
                          lease_s=a.lease, device_share=a.device_share, backend=a.backend,
                          actor_start_timeout_s=a.actor_start_timeout, seed=a.seed)

@@ -29,7 +29,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.prompt is None and not a.chat:
         raise ValueError("give a prompt, or --chat for an interactive chat")
     if a.mode == "offline" and a.backend != "local":
-        raise ValueError(f"--cluster {a.backend} runs instances as Ray actors: give --mode disagg or coupled "
+        raise ValueError(f"--cluster {a.backend} runs instances as Ray actors: give --mode disagg, coupled or adaptive "
                          "(--mode offline runs no cluster)")
     if a.mode != "offline":
         if a.prompt is None:

@@ -30,6 +30,7 @@ from scheduling.block_manager import BlockManager
 from scheduling.clock import Clock
 from scheduling.decode import DecodeScheduler
 from scheduling.dispatch import DecodeLoad
+from scheduling.hybrid import HybridScheduler
 from scheduling.prefill import PrefillScheduler
 from scheduling.request import Request
 from scheduling.step import PromptLogprobs, StepOutput, StepPlan, TokenLogprobs
@@ -137,13 +138,12 @@ class Instance:
         self.busy_by_role[self.role] += out.busy_s
         self.num_steps += 1
         self.num_preemptions += len(plan.preempted_ids)
-        if self.role == "prefill":
+        if isinstance(self.scheduler, PrefillScheduler):
             self.num_prefill_tokens += plan.num_real_tokens
             self.num_pad_tokens += plan.num_pad_tokens
-        else:  # a decode instance's recomputes count as the token they sample, as a decode step
+        else:  # rows beyond the sampled ones are prompt work (chunks, recomputes)
             self.num_decode_tokens += len(out.sampled)
-            if self.role == "coupled":
-                self.num_prefill_tokens += plan.num_real_tokens - len(out.sampled)
+            self.num_prefill_tokens += plan.num_real_tokens - len(out.sampled)
 
     @property
     def is_running(self) -> bool:
@@ -182,6 +182,16 @@ class Instance:
         self.num_flips += 1
         self.start()
 
+    def change_role_live(self, role: str) -> None:
+        """An adaptive instance's flip: no drain, no new scheduler. Its requests stay; from now
+        on its finished prompts are handed over (prefill) or decode here (decode)."""
+        hybrid = self._as(HybridScheduler)
+        hybrid.set_hand_over(role == "prefill")
+        self.dispatcher = self.policies.dispatcher() if role == "prefill" else None
+        self.role = role
+        self.num_flips += 1
+        self.notify()
+
     def inject_fault(self) -> None:
         """Make the next step raise, as a device error would (fault-injection drills and tests)."""
         self.device.fail_next_step()
@@ -204,13 +214,25 @@ class Instance:
         return req
 
     def take_unstarted(self) -> list[Request]:
-        """Prefill: queued requests no chunk has touched yet (a draining instance hands them on)."""
-        return self._as(PrefillScheduler).take_unstarted()
+        """Prefill (and adaptive): queued requests no chunk has touched yet (a draining instance
+        hands them on)."""
+        return self._as((PrefillScheduler, HybridScheduler)).take_unstarted()
 
     def release_kv(self, request_id: str) -> None:
-        """Prefill: the KV was handed over; free its blocks here."""
-        self._as(PrefillScheduler).release(request_id)
+        """Prefill (and adaptive): the KV was handed over; free its blocks here."""
+        self._as((PrefillScheduler, HybridScheduler)).release(request_id)
         self.notify()
+
+    def keep_kv(self, request_id: str) -> None:
+        """Adaptive: a prompt this instance prefilled decodes here instead of being handed over."""
+        self._as(HybridScheduler).keep(request_id)
+        self.notify()
+
+    def migrate_decodes(self) -> list[str]:
+        """Adaptive: its running decodes leave after their next token, by a KV hand-over."""
+        ids = self._as(HybridScheduler).mark_migrating()
+        self.notify()
+        return ids
 
     def choose_decode(self, req: Request) -> str:
         """Prefill: the decode instance its dispatcher picks (``NoDecodeInstance`` if none)."""

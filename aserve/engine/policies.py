@@ -3,8 +3,11 @@
     role prefill  -> registry "prefill"  (fcfs | sjf | ljf) + a "dispatch" policy
     role decode   -> registry "decode"   (greedy | reserve-static | reserve-dynamic)
     role coupled  -> registry "batching" (sarathi | vllm | alise)
+    adaptive mode -> scheduling/hybrid.py for prefill and decode roles alike (decodes plus prompt
+                     chunks within the token budget); the role only says where finished prompts go
 
-A flip builds the other role's scheduler over the same blocks; nothing else changes.
+A flip builds the other role's scheduler over the same blocks; nothing else changes (adaptive
+mode: the same scheduler stays, with its requests, and only its hand-over switch changes).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from scheduling.clock import Clock
 from scheduling.coupled import BatchingConfig
 from scheduling.decode import DecodeConfig
 from scheduling.dispatch import Dispatcher, DispatchConfig
+from scheduling.hybrid import HybridConfig, HybridScheduler
 from scheduling.prefill import PrefillConfig
 
 ROLES = ("prefill", "decode", "coupled")
@@ -36,6 +40,8 @@ class Policies:
     decode_config: DecodeConfig = field(default_factory=DecodeConfig)
     batching: str = "sarathi"
     batching_config: BatchingConfig = field(default_factory=BatchingConfig)
+    adaptive: bool = False  # prefill and decode roles both run the hybrid scheduler
+    token_budget: int = 512  # adaptive: rows of one hybrid step (the engine's max_num_batched_tokens)
 
     @staticmethod
     def from_configs(engine: EngineConfig, cluster: Optional[ClusterConfig] = None) -> "Policies":
@@ -50,17 +56,21 @@ class Policies:
             decode=cluster.decode_policy,
             decode_config=DecodeConfig(max_running=engine.max_num_seqs, preemption=cluster.preemption,
                                        heavy_threshold=cluster.heavy_threshold),
-            batching=engine.batching, batching_config=batching)
+            batching=engine.batching, batching_config=batching,
+            adaptive=cluster.mode == "adaptive", token_budget=engine.max_num_batched_tokens)
 
     def scheduler(self, role: str, blocks: BlockManager, device: Device, clock: Clock) -> Scheduler:
         """The role's scheduler over ``blocks``; swap space is added to ``device`` where the
         policy preempts to host memory."""
-        if role == "prefill":
+        if role == "prefill" and not self.adaptive:
             return registry.get("prefill", self.prefill)(blocks, self.prefill_config, clock)
-        if role == "decode":
+        if role in ("prefill", "decode"):
             config = self.decode_config
             if config.preemption == "swap":
                 config = dataclasses.replace(config, num_swap_blocks=device.add_swap_space())
+            if self.adaptive:
+                hybrid = HybridConfig(self.token_budget, hand_over=role == "prefill")
+                return HybridScheduler(blocks, config, hybrid, clock)
             return registry.get("decode", self.decode)(blocks, config, clock)
         if role == "coupled":
             cls = registry.get("batching", self.batching)

@@ -41,8 +41,8 @@ class SystemSpec:
 
 
 def default_name(engine: EngineConfig, cluster: ClusterConfig) -> str:
-    if cluster.mode == "disagg":
-        return f"disagg {cluster.num_prefill}P+{cluster.num_decode}D"
+    if cluster.split:
+        return f"{cluster.mode} {cluster.num_prefill}P+{cluster.num_decode}D"
     return f"coupled {engine.batching} x{cluster.num_coupled}"
 
 

@@ -170,8 +170,9 @@ def summarize(run: SystemRun, slo: Optional[dict] = None, clipped: int = 0) -> d
                                  default=None),
            "flip_s_max": max((f["flip_s"] for f in run.flip_log), default=None),
            "drain_s_max": max((f["drain_s"] for f in run.flip_log), default=None),
-           "flip_log": [{k: f[k] for k in ("instance", "from", "to", "drain_s", "flip_s", "reason")}
-                        for f in run.flip_log],
+           "flips_per_min": run.flips * 60 / span if run.flips is not None and span > 0 else None,
+           "flip_log": [{k: f[k] for k in ("instance", "from", "to", "drain_s", "flip_s", "reason", "at", "migrated")
+                         if k in f} for f in run.flip_log],
            "predictor": run.predictor,
            "predictor_accuracy": (run.predictor or {}).get("accuracy"),
            "makespan_s": span, "output_tokens": tokens, "preemptions": sum(r.num_preemptions for r in done),
@@ -267,7 +268,7 @@ _SCALAR_ROWS = (("throughput req/s", "throughput_rps", "{:.3f}"), ("output token
                 ("KV transfer s, real (sum)", "kv_real_s", "{:.3f}"),
                 ("KV transfer s, emulated (sum)", "kv_emulated_s", "{:.3f}"),
                 ("KV real copy bytes/s", "kv_real_bytes_per_s", "{:,.0f}"), ("flips", "flips", "{:d}"),
-                ("flip s (max, no drain)", "flip_s_max", "{:.4f}"), ("drain s (max)", "drain_s_max", "{:.2f}"),
+                ("flips per minute", "flips_per_min", "{:.2f}"), ("flip s (max, no drain)", "flip_s_max", "{:.4f}"), ("drain s (max)", "drain_s_max", "{:.2f}"),
                 ("predictor accuracy (online)", "predictor_accuracy", "{:.1%}"),
                 ("instance failures", "instance_failures", "{:d}"),
                 ("recovery s (max)", "recovery_s_max", "{:.3f}"),

@@ -1,0 +1,176 @@
+"""The adaptive mode's instance scheduler: decodes plus budgeted prompt chunks (issue 24).
+
+In ``--mode adaptive`` every instance runs this scheduler, whatever its role; the role decides
+only where a finished prompt's KV goes and how the global placement ranks the instance
+(scheduling/placement.py)::
+
+    add_request ─► waiting ─admit (blocks for the whole prompt)─► running ─┬─ decode row: 1 token
+                                                                           └─ prompt rows: chunks
+    a prompt's last chunk samples its first token, then:
+        decode role  ─► it decodes here: its KV never moves
+        prefill role ─► finished_prefills ─► release (KV handed over) | keep (decodes here)
+    mark_migrating ─► after its next token ─► finished_prefills ─► release (moved elsewhere)
+
+A step is Sarathi-Serve's stall-free iteration over a decode instance's queues: every running
+decode first, one row each, then the next chunks of admitted prompts in admission order within
+``token_budget - decodes`` (at least ``min_chunk``, so a prompt always moves on). The budget is
+the one ``aserve profile token-budget`` (or the measured cost model) finds for the TBT SLO, so
+a decode never waits for a whole prompt. Admission and preemption are the decode scheduler's:
+greedy, preempting the newest running request (a prompt mid-way is recomputed from its start).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from scheduling.block_manager import BlockManager
+from scheduling.clock import Clock
+from scheduling.decode import DecodeConfig, DecodeScheduler
+from scheduling.request import Request, Status
+from scheduling.step import StepEvents, StepOutput, StepPlan, seq_step
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    token_budget: int = 512  # rows of one step, decodes included (Sarathi's budget)
+    min_chunk: int = 16  # prompt tokens a step carries at least while a prompt is admitted
+    hand_over: bool = False  # prefill role: a finished prompt waits in finished_prefills
+
+    def __post_init__(self):
+        if self.token_budget < 1 or self.min_chunk < 1:
+            raise ValueError(f"token_budget and min_chunk must be >= 1, got {self}")
+
+
+class HybridScheduler(DecodeScheduler):
+    """A decode scheduler that also prefills, in chunks within a token budget.
+
+    Besides the decode scheduler's methods: ``release`` / ``keep`` (a finished prompt handed
+    over or kept), ``mark_migrating``, ``take_unstarted``, ``finished_prefills``, ``set_hand_over``
+    (a flip), ``num_decoding`` and ``num_queued_tokens`` (for placement).
+    """
+
+    name = "hybrid"
+
+    def __init__(self, blocks: BlockManager, config: DecodeConfig = DecodeConfig(),
+                 hybrid: HybridConfig = HybridConfig(), clock: Optional[Clock] = None):
+        super().__init__(blocks, config, clock)
+        self.hybrid = hybrid
+        self._finished: dict[str, Request] = {}  # KV computed, held here until release or keep
+        self._migrating: set[str] = set()  # running requests to hand over after their next token
+
+    def set_hand_over(self, hand_over: bool) -> None:
+        """A flip: from now on finished prompts are handed over (prefill role) or kept (decode)."""
+        self.hybrid = HybridConfig(self.hybrid.token_budget, self.hybrid.min_chunk, hand_over)
+
+    # --- schedule -------------------------------------------------------------------------
+    def _admit(self) -> list[tuple[int, int]]:
+        """First come, first served: a request that cannot start for want of blocks stops the
+        ones behind it. (The decode scheduler lets later requests that hold their KV pass; here
+        new prompts would pass too, and a preempted request could wait for ever behind them.)"""
+        swap_in: list[tuple[int, int]] = []
+        while self._waiting and len(self._running) < self.config.max_running:
+            request = self._waiting[0]
+            if self._missing(request) > self.blocks.num_free or not (self.admits(request) or not self._running):
+                break
+            self._start(request, swap_in)
+        return swap_in
+
+    def _rows(self) -> tuple:
+        """Decodes one row each; prompt chunks share what the budget leaves, in admission order."""
+        left = self.hybrid.token_budget - sum(_left(r) == 1 for r in self._running)
+        left = max(left, self.hybrid.min_chunk)
+        rows = []
+        for r in self._running:
+            n = _left(r)
+            if n > 1:  # a prompt (or a recompute): its next chunk, if the budget has room
+                n = min(n, left)
+                left -= n
+                if n <= 0:
+                    continue
+            start = r.num_computed_tokens
+            r.times.setdefault("scheduled", self.clock.now())  # its first step here: its queue time ends
+            rows.append(seq_step(r, start, start + n, sample=start + n == r.num_tokens))
+        return tuple(rows)
+
+    # --- update ---------------------------------------------------------------------------
+    def update(self, plan: StepPlan, output: StepOutput) -> StepEvents:
+        """The decode scheduler's update; then prompts that just ended (prefill role) and requests
+        marked for migration leave the batch for ``finished_prefills`` and are reported there."""
+        prompt_ends = {s.request_id for s in plan.seqs if s.num_tokens > 1 and s.request_id in output.sampled}
+        events = super().update(plan, output)
+        now, leaving = self.clock.now(), []
+        for request in events.tokens:
+            rid = request.request_id
+            fresh = rid in prompt_ends and request.num_output_tokens == 1
+            if fresh:
+                request.times["prefill_done"] = now
+            if (fresh and self.hybrid.hand_over) or rid in self._migrating:
+                self._migrating.discard(rid)
+                self._running.remove(request)
+                request.status = Status.TRANSFERRING
+                self._finished[rid] = request
+                leaving.append(request)
+        return StepEvents(tokens=events.tokens, prefilled=tuple(leaving))
+
+    # --- leaving and staying --------------------------------------------------------------
+    def release(self, request_id: str) -> Request:
+        """The KV was handed over: free the request's blocks here and forget it."""
+        request = self._finished.pop(request_id)
+        del self._requests[request_id]
+        self.blocks.free(request.block_ids)
+        request.block_ids = []
+        return request
+
+    def keep(self, request_id: str) -> None:
+        """A finished prompt decodes here after all (the placement found this instance idle)."""
+        request = self._finished.pop(request_id)
+        request.status = Status.RUNNING
+        self._running.append(request)
+
+    def mark_migrating(self) -> list[str]:
+        """Every running decode leaves after its next token (a flip to prefill moves them by KV
+        migration); prompts still being prefilled stay. Returns the ids marked."""
+        ids = [r.request_id for r in self._running if _left(r) == 1]
+        self._migrating.update(ids)
+        return ids
+
+    def take_unstarted(self) -> list[Request]:
+        """Remove and return the waiting prompts no step has touched (they hold no KV)."""
+        planned = set(self._inflight.num_scheduled_tokens) if self._inflight is not None else set()
+        taken = [r for r in self._waiting if not r.block_ids and r.num_computed_tokens == 0
+                 and not r.output_token_ids and r.request_id not in planned]
+        for r in taken:
+            self._waiting.remove(r)
+            del self._requests[r.request_id]
+            r.status = Status.WAITING
+        return taken
+
+    def _retire(self, request_id: str) -> Request:
+        self._migrating.discard(request_id)
+        request = self._finished.pop(request_id, None)
+        if request is not None:
+            self._requests.pop(request_id)
+            self.blocks.free(request.block_ids)
+            request.block_ids = []
+            return request
+        return super()._retire(request_id)
+
+    # --- views ----------------------------------------------------------------------------
+    @property
+    def finished_prefills(self) -> tuple[Request, ...]:
+        return tuple(self._finished.values())
+
+    @property
+    def num_decoding(self) -> int:
+        """Requests that take a decode row of every step here (running or waiting to)."""
+        return sum(_left(r) <= 1 for r in self._running) + sum(bool(r.output_token_ids) for r in self._waiting)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Prompt tokens (and recomputes) still to compute here."""
+        return sum(_left(r) for r in list(self._running) + list(self._waiting) if _left(r) > 1)
+
+
+def _left(request: Request) -> int:
+    """Tokens the request must compute to sample its next token."""
+    return request.num_tokens - request.num_computed_tokens

@@ -1,0 +1,111 @@
+"""The adaptive mode's global dispatch: where a new prompt is prefilled, and whether a prefilled
+request stays where it was prefilled (issue 24: conditional disaggregation).
+
+Every instance of ``--mode adaptive`` can prefill in chunks (scheduling/hybrid.py), so a prompt
+may go to a prefill instance (its KV then moves to a decode instance) or straight to a decode
+instance (its KV never moves). The choice is made from estimates, not from a prompt length:
+
+    steps(i)   = (queued_i + P) / share_i           share_i = max(min_chunk, budget - decodes_i)
+    step_s(i)  = step_s + decodes_i · decode_row_s + share_i · prefill_token_s
+    ttft(i)    = steps(i) · step_s(i)               (the prompt's wait and its own chunks)
+    harm(i)    = decodes_i · P · prefill_token_s    (what its chunks add to the running decodes)
+    cost(i)    = ttft(i) + interference · harm(i)
+
+and the prompt goes to the cheapest instance (ties: prefill instances first, then by id). A light
+prompt beside an idle prefill instance goes there (no decodes to slow); a heavy one goes to a
+decode instance only when the prefill side's queue is long enough that waiting for it costs more
+than the decodes' slowdown. ``step_s``, ``decode_row_s`` and ``prefill_token_s`` come from the
+device's measured cost model (``aserve profile device``; a simulated device's profile).
+
+``keep_local``: a prefill instance keeps the request it just prefilled and decodes it itself when
+no decode instance has room for it (its KV would otherwise sit idle, waiting), or when it runs
+fewer than ``keep_margin`` decodes more than the least busy decode instance: a hand-over pays
+only where it evens out the decode batches, and idle prefill capacity serves decodes (LPHD).
+
+The defaults (``interference`` 0.3, ``keep_margin`` 2) are the best of a sweep over the five
+workloads on ``sim:local`` (docs/BENCHMARKS.md, "Adaptive"): a weight of 1 kept heavy prompts
+off the decode instance at the price of TTFT (HPLD 3.9 s against coupled 2.6 s), 0 cost JCT.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from scheduling.block_manager import blocks_needed
+
+
+
+@dataclass(frozen=True)
+class EntryLoad:
+    """One instance, as the placement sees it."""
+
+    instance_id: str
+    role: str  # prefill | decode
+    queued_tokens: int  # prompt tokens waiting or being chunked there
+    num_decodes: int  # requests taking a decode row of its every step
+    free_blocks: int
+    block_size: int
+
+    def __post_init__(self):
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"placement ranks prefill and decode instances, not {self.role!r}")
+        assert self.queued_tokens >= 0 and self.num_decodes >= 0 and self.free_blocks >= 0
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    token_budget: int = 512  # rows of one hybrid step (the Sarathi budget)
+    step_s: float = 0.01  # fixed seconds of any step (reading the weights)
+    prefill_token_s: float = 1e-3  # seconds a prompt token adds to a step
+    decode_row_s: float = 1e-3  # seconds a decode row adds to a step
+    interference: float = 0.3  # weight of the decodes' slowdown against the prompt's own wait
+    min_chunk: int = 16  # prompt tokens a hybrid step carries at least
+    keep_margin: int = 2  # a prefill instance keeps a prefilled request unless it decodes this many more
+
+    def __post_init__(self):
+        for name in ("step_s", "prefill_token_s", "decode_row_s", "interference"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"placement {name} must be >= 0, got {getattr(self, name)}")
+        if self.token_budget < 1 or self.min_chunk < 1 or self.keep_margin < 0:
+            raise ValueError(f"placement token_budget and min_chunk must be >= 1, got {self}")
+
+
+class Placement:
+    """Ranks instances for a prompt of ``num_prompt_tokens``; pure, so tests feed it loads."""
+
+    def __init__(self, config: PlacementConfig = PlacementConfig()):
+        self.config = config
+
+    def ttft_s(self, load: EntryLoad, num_prompt_tokens: int) -> float:
+        """Seconds until the prompt's last chunk has run there."""
+        c = self.config
+        share = max(c.min_chunk, c.token_budget - load.num_decodes)
+        steps = (load.queued_tokens + num_prompt_tokens) / share
+        return steps * (c.step_s + load.num_decodes * c.decode_row_s + share * c.prefill_token_s)
+
+    def harm_s(self, load: EntryLoad, num_prompt_tokens: int) -> float:
+        """Seconds the prompt's chunks add to the running decodes there, summed over them."""
+        return load.num_decodes * num_prompt_tokens * self.config.prefill_token_s
+
+    def cost_s(self, load: EntryLoad, num_prompt_tokens: int) -> float:
+        return self.ttft_s(load, num_prompt_tokens) + self.config.interference * self.harm_s(load, num_prompt_tokens)
+
+    def choose(self, loads: Sequence[EntryLoad], num_prompt_tokens: int) -> Optional[EntryLoad]:
+        """The cheapest instance that can hold the prompt's KV now (a prefill instance queues
+        it in any case); None if there is none."""
+        need = blocks_needed(num_prompt_tokens + 1, loads[0].block_size) if loads else 0
+        fit = [ld for ld in loads if ld.role == "prefill" or ld.free_blocks >= need]
+        if not fit:
+            return None
+        return min(fit, key=lambda ld: (self.cost_s(ld, num_prompt_tokens), ld.role != "prefill", ld.instance_id))
+
+    def keep_local(self, src: EntryLoad, decode_loads: Sequence[EntryLoad], need_blocks: int) -> bool:
+        """Whether a prefill instance keeps a request it prefilled (``need_blocks``: its prompt
+        plus predicted output) and decodes it itself: when no decode instance has the room (its
+        KV would sit idle here, waiting for some), or when it runs fewer than ``keep_margin``
+        decodes more than the least busy decode instance. A hand-over costs a copy and a token
+        gap and only pays when it evens out the decode batches; idle prefill capacity serves
+        decodes (LPHD), and a prefill instance whose prompts keep it busy keeps few."""
+        if not any(ld.free_blocks >= need_blocks for ld in decode_loads):
+            return True
+        return all(src.num_decodes < ld.num_decodes + self.config.keep_margin for ld in decode_loads)

@@ -1,0 +1,175 @@
+"""Adaptive mode's policies without an engine (issue 24): the global placement's choice between a
+prefill and a decode instance from given loads, the prefill instance's keep-or-hand-over rule,
+the hybrid scheduler's budgeted chunks beside decodes, and ratio flips' hysteresis band and
+per-instance dwell on a fake clock."""
+import pytest
+
+from scheduling.block_manager import BlockManager
+from scheduling.clock import FakeClock
+from scheduling.decode import DecodeConfig
+from scheduling.flip import InstanceView, RatioFlipPolicy
+from scheduling.hybrid import HybridConfig, HybridScheduler
+from scheduling.placement import EntryLoad, Placement, PlacementConfig
+from scheduling.request import Request, SamplingParams
+from scheduling.step import StepOutput
+
+# a CPU-like device: 10 ms a step, 1 ms a prompt token, 1 ms a decode row; budget 256
+PLACE = Placement(PlacementConfig(token_budget=256, step_s=0.01, prefill_token_s=1e-3, decode_row_s=1e-3,
+                                  interference=0.3))
+
+
+def load(iid, role, queued=0, decodes=0, free=1000):
+    return EntryLoad(iid, role, queued, decodes, free, 16)
+
+
+# ---- placement -------------------------------------------------------------------------------
+def test_a_prompt_goes_to_an_idle_prefill_instance_before_a_busy_decode_instance():
+    loads = [load("p0", "prefill"), load("d1", "decode", decodes=30)]
+    assert PLACE.choose(loads, 100).instance_id == "p0"
+    assert PLACE.choose(loads, 1000).instance_id == "p0"
+
+
+def test_a_backlogged_prefill_side_sends_prompts_to_the_decode_instance():
+    loads = [load("p0", "prefill", queued=8000), load("d1", "decode", decodes=10)]
+    chosen = PLACE.choose(loads, 200)
+    assert chosen.instance_id == "d1"
+    # its cost there is its wait beside 10 decodes plus what it adds to them, both under p0's queue
+    assert PLACE.cost_s(loads[1], 200) < PLACE.ttft_s(loads[0], 200)
+
+
+def test_the_choice_follows_the_estimates_not_a_prompt_length():
+    """The same prompt flips side as the prefill queue grows past what the decodes' slowdown costs."""
+    decode = load("d1", "decode", decodes=20)
+    sides = [PLACE.choose([load("p0", "prefill", queued=q), decode], 500).role for q in (0, 500, 2000, 8000)]
+    assert sides[0] == "prefill" and sides[-1] == "decode"
+    assert sides == sorted(sides, key=("prefill", "decode").index)  # one switch, at some queue length
+
+
+def test_a_decode_instance_without_room_is_never_chosen():
+    loads = [load("p0", "prefill", queued=50_000), load("d1", "decode", free=3)]
+    assert PLACE.choose(loads, 200).instance_id == "p0"
+    assert PLACE.choose([load("d1", "decode", free=3)], 200) is None
+
+
+def test_keep_or_hand_over():
+    # an idle prefill instance with fewer decodes than the decode instance keeps what it prefilled
+    assert PLACE.keep_local(load("p0", "prefill", decodes=1), [load("d1", "decode", decodes=5)], 4)
+    # within the margin (2) of the least busy decode instance: keep; far above it: hand over
+    assert PLACE.keep_local(load("p0", "prefill", decodes=3), [load("d1", "decode", decodes=2)], 4)
+    assert not PLACE.keep_local(load("p0", "prefill", decodes=6), [load("d1", "decode", decodes=2)], 4)
+    # no decode instance has room for its KV: keep it rather than let it wait
+    assert PLACE.keep_local(load("p0", "prefill", decodes=9), [load("d1", "decode", decodes=0, free=3)], 4)
+
+
+def test_placement_config_names_the_bad_field():
+    with pytest.raises(ValueError, match="prefill_token_s"):
+        PlacementConfig(prefill_token_s=-1.0)
+    with pytest.raises(ValueError, match="placement ranks"):
+        load("c0", "coupled")
+
+
+# ---- the hybrid scheduler ----------------------------------------------------------------------
+def req(rid, n, max_tokens=8):
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, temperature=0))
+
+
+def step(s, plan):
+    """Run a plan as a device would: a token for every row that samples."""
+    return s.update(plan, StepOutput(sampled={q.request_id: 7 for q in plan.seqs if q.sampling is not None}))
+
+
+def test_hybrid_chunks_a_prompt_beside_decodes_within_the_budget():
+    s = HybridScheduler(BlockManager(200, 16), DecodeConfig(), HybridConfig(token_budget=64))
+    for i in range(3):  # three short prompts become three decodes
+        s.add_request(req(f"d{i}", 10))
+    step(s, s.schedule())
+    long = req("long", 150)
+    s.add_request(long)
+    sizes = []
+    while not long.output_token_ids:
+        plan = s.schedule()
+        assert plan.num_real_tokens <= 64  # never more than the budget
+        assert {"d0", "d1", "d2"} <= set(plan.num_scheduled_tokens) or not {"d0", "d1", "d2"} & set(s.running_ids)
+        sizes.append(plan.num_scheduled_tokens.get("long", 0))
+        events = step(s, plan)
+        for r in events.tokens:
+            if r.num_output_tokens >= 8:
+                s.finish(r, "length")
+    assert sizes[:2] == [61, 61] and sum(sizes) == 150  # 64 - 3 decodes, then the rest
+    assert "long" in s.running_ids and not s.finished_prefills  # decode role: it stays and decodes here
+
+
+def test_prefill_role_hands_over_keeps_or_releases_and_blocks_come_back():
+    blocks = BlockManager(100, 16)
+    s = HybridScheduler(blocks, DecodeConfig(), HybridConfig(token_budget=512, hand_over=True))
+    s.add_request(req("a", 40))
+    s.add_request(req("b", 20))
+    events = step(s, s.schedule())
+    assert {r.request_id for r in events.prefilled} == {"a", "b"}
+    assert not s.running_ids and len(s.finished_prefills) == 2
+    s.keep("a")  # decodes here
+    assert s.running_ids == ["a"]
+    s.release("b")  # handed over
+    assert s.num_requests == 1
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"a": 1}
+    step(s, plan)
+    s.abort("a")
+    assert blocks.num_free == 100
+
+
+def test_migrating_decodes_leave_after_their_next_token():
+    s = HybridScheduler(BlockManager(100, 16), DecodeConfig(), HybridConfig(token_budget=512))
+    s.add_request(req("a", 30))
+    step(s, s.schedule())
+    s.add_request(req("p", 300))  # admitted next step, mid-prefill when the flip comes
+    assert s.mark_migrating() == ["a"]
+    events = step(s, s.schedule())
+    assert [r.request_id for r in events.prefilled] == ["a"]
+    a = events.prefilled[0]
+    assert a.num_output_tokens == 2 and a.num_computed_tokens == a.num_tokens - 1  # what accept_incoming expects
+    assert s.running_ids == ["p"]
+
+
+# ---- flips: hysteresis and dwell ----------------------------------------------------------------
+def views(p_busy, d_busy, since_flip=None):
+    return [InstanceView("p0", "prefill", "active", p_busy / 2, 0, int(p_busy * 1000), 0),
+            InstanceView("p1", "prefill", "active", p_busy / 2, 0, int(p_busy * 1000), 0),
+            InstanceView("d2", "decode", "active", 0, d_busy / 2, 0, int(d_busy * 500)),
+            InstanceView("d3", "decode", "active", 0, d_busy / 2, 0, int(d_busy * 500), decode_requests=1)]
+
+
+def test_a_share_inside_the_band_does_not_flip():
+    # prefill share 0.65 of the work: past the 2P+2D midpoint (0.625) but not by the band (0.1)
+    work = [(t, views(1.3 * t, 0.7 * t)) for t in range(0, 30)]
+    assert [d for t, v in work if (d := RatioFlipPolicy(window_s=4.0, band=0.1).decide(t, v))] == []
+    no_band = RatioFlipPolicy(window_s=4.0, band=0.0)
+    assert any(no_band.decide(t, v) for t, v in work)
+    # far past it (0.9): flips
+    busy = RatioFlipPolicy(window_s=4.0, band=0.1)
+    assert any(busy.decide(t, views(1.8 * t, 0.2 * t)) for t in range(0, 30))
+
+
+def test_an_instance_keeps_its_role_for_its_dwell():
+    clock = FakeClock()
+    pol = RatioFlipPolicy(window_s=4.0, cooldown_s=0.0, band=0.0, dwell_s=30.0)
+    decisions = []
+    for t in range(0, 60):
+        clock.advance(1.0) if t else None
+        d = pol.decide(clock.now(), views(1.8 * t, 0.2 * t))
+        if d is not None:
+            decisions.append((clock.now(), d.instance_id))
+            pol.note_flip(clock.now(), d.instance_id)
+    assert decisions and decisions[0][1] == "d2"
+    # nobody moved before its first dwell was over, and no instance moved twice within its dwell
+    assert decisions[0][0] >= 30.0
+    flips_of = {}
+    for t, iid in decisions:
+        if iid in flips_of:
+            assert t - flips_of[iid] >= 30.0
+        flips_of[iid] = t
+
+
+def test_flip_band_is_checked():
+    with pytest.raises(ValueError, match="band"):
+        RatioFlipPolicy(band=0.7)
