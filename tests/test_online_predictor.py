@@ -173,7 +173,7 @@ def test_sklearn_range_is_on_every_request_before_decode(setting, bundle, pool, 
             return reqs, seen, cl.predictor.snapshot(), cl
 
     reqs, seen, snap, cl = asyncio.run(main())
-    assert "fitting one on the" in capsys.readouterr().err  # no artefact in the private cache: fitted, saved
+    assert "fitting one now" in capsys.readouterr().err  # no artefact in the private cache: fitted, saved
     assert all(r.finish_reason == "length" and r.num_output_tokens == SP.max_tokens for r in reqs)
     assert set(seen) == {r.request_id for r in reqs}
     assert all(seen[r.request_id] is not None and seen[r.request_id] == r.predicted for r in reqs)
