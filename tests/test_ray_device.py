@@ -99,6 +99,6 @@ def test_cluster_flag_and_backend_checks():
             ClusterConfig(backend=bad)
     with pytest.raises(ValueError, match="device_share 'dedicated'"):
         ClusterConfig(backend="ray", device_share="dedicated")
-    with pytest.raises(ValueError, match="--mode disagg or coupled"):
+    with pytest.raises(ValueError, match="give --mode disagg, coupled or adaptive"):
         a = build_parser().parse_args(["generate", "hi", "--cluster", "ray"])
         a.func(a)
