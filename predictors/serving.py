@@ -15,6 +15,7 @@ from predictors.base import META_FILE, LengthPredictor, clip_text, read_meta
 from predictors.dataset import DEFAULT_LABELS, DEFAULT_PROMPTS
 from predictors.registry import get_predictor, load_predictor, predictor_class
 from predictors.simple import ORACLE_ATTR
+from predictors.train import say
 from scheduling.request import Request
 
 MAX_DECODE_IDS = 4096  # a request without text: decode its first and last 2048 ids only
@@ -39,12 +40,6 @@ def prompt_view(req: Request, decode: Optional[Callable[[list[int]], str]]) -> R
     if getattr(req, ORACLE_ATTR, None) is not None:
         setattr(view, ORACLE_ATTR, getattr(req, ORACLE_ATTR))
     return view
-
-
-def _say(message: str) -> None:
-    from rich.console import Console
-
-    Console(stderr=True).print(f"aserve: {message}", highlight=False, soft_wrap=True)
 
 
 def load_for_serving(name: str, granularity: int = 200, options: Optional[dict] = None, path=None,
@@ -81,7 +76,7 @@ def _load(path: Path, name: str, granularity: int, options: dict) -> LengthPredi
         raise ValueError(f"{path} was trained at granularity {trained_g}, not {granularity}: "
                          f"pass --predictor-granularity {trained_g}")
     backend = load_predictor(path, **options)
-    _say(f"length predictor {name} (granularity {trained_g}) loaded from {path}")
+    say(f"length predictor {name} (granularity {trained_g}) loaded from {path}")
     return backend
 
 
@@ -100,7 +95,7 @@ def _fit(name: str, granularity: int, labels: Path, prompts: Path, options: dict
     progress with an ETA); ``aserve predictor prepare`` does this ahead of time."""
     from predictors.train import TrainConfig, load_dataset, train_predictor
 
-    _say(f"length predictor {name}: no trained artefact for granularity {granularity} and {labels.name} "
+    say(f"length predictor {name}: no trained artefact for granularity {granularity} and {labels.name} "
          f"(train it ahead with 'aserve predictor prepare --backends {name}'); fitting one now, once")
     data = load_dataset(prompts, labels)
     backend, _, _ = train_predictor(TrainConfig(name, granularity, labels, prompts, out=out, options=options), data)

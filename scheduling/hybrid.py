@@ -20,7 +20,7 @@ greedy, preempting the newest running request (a prompt mid-way is recomputed fr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from scheduling.block_manager import BlockManager
@@ -60,7 +60,7 @@ class HybridScheduler(DecodeScheduler):
 
     def set_hand_over(self, hand_over: bool) -> None:
         """A flip: from now on finished prompts are handed over (prefill role) or kept (decode)."""
-        self.hybrid = HybridConfig(self.hybrid.token_budget, self.hybrid.min_chunk, hand_over)
+        self.hybrid = replace(self.hybrid, hand_over=hand_over)
 
     # --- schedule -------------------------------------------------------------------------
     def _admit(self) -> list[tuple[int, int]]:
@@ -147,12 +147,8 @@ class HybridScheduler(DecodeScheduler):
 
     def _retire(self, request_id: str) -> Request:
         self._migrating.discard(request_id)
-        request = self._finished.pop(request_id, None)
-        if request is not None:
-            self._requests.pop(request_id)
-            self.blocks.free(request.block_ids)
-            request.block_ids = []
-            return request
+        if request_id in self._finished:  # ended while its KV waited for a hand-over
+            return self.release(request_id)
         return super()._retire(request_id)
 
     # --- views ----------------------------------------------------------------------------

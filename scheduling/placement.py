@@ -34,7 +34,6 @@ from typing import Optional, Sequence
 from scheduling.block_manager import blocks_needed
 
 
-
 @dataclass(frozen=True)
 class EntryLoad:
     """One instance, as the placement sees it."""

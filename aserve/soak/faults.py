@@ -111,7 +111,12 @@ class FaultInjector:
             await asyncio.wait_for(self._now.wait(), after_s)
         except asyncio.TimeoutError:
             pass
-        await self.cluster.lifecycle.remove(iid)  # failed: no drain, its device and pool are freed
+        await self._replace(iid, role)
+
+    async def _replace(self, iid: str, role: str) -> None:
+        """A failed instance removed (no drain: its device and pool are freed) and a new one of its
+        role added."""
+        await self.cluster.lifecycle.remove(iid)
         new = await self.cluster.lifecycle.add(role)
         self._note("readd", f"{iid} removed, {new.id} ({role}) added")
 
@@ -128,9 +133,7 @@ class FaultInjector:
         self._now.set()
         await asyncio.gather(*self._readds, return_exceptions=True)
         for inst in [i for i in self.cluster.instances.values() if i.state == "failed"]:
-            await self.cluster.lifecycle.remove(inst.id)
-            new = await self.cluster.lifecycle.add(inst.role)
-            self._note("readd", f"{inst.id} removed, {new.id} ({inst.role}) added")
+            await self._replace(inst.id, inst.role)
 
     def kill_report(self) -> list[dict]:
         return [{"instance": k.instance, "role": k.role, "at_s": k.at - self.base, "requests_hit": len(k.hit),
