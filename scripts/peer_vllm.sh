@@ -10,6 +10,7 @@
 # with nothing else running). Servers:
 #   aserve          `make serve` (the default configuration)
 #   aserve-coupled2 --mode coupled --instances 2
+#   aserve-adaptive --mode adaptive (1P+1D to start; each instance also prefills, issue 24)
 #   vllm-default    vLLM CPU as installed (computes on 1 core, reserves 1)
 #   vllm-best       vLLM CPU on both cores: VLLM_CPU_OMP_THREADS_BIND=0-1, no reserved core
 #                   (VLLM_CPU_NUM_OF_RESERVED_CPU=0); its best configuration on this machine
@@ -55,6 +56,8 @@ start_server() {  # $1: server name; echoes the pid
     aserve)          (cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED") ;;
     aserve-coupled2) (cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED" \
                         --mode coupled --instances 2) ;;
+    aserve-adaptive) (cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED" \
+                        --mode adaptive) ;;
     vllm-default)    exec "$VENVS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
                         --served-model-name "$SERVED" --port "$PORT" --dtype bfloat16 ;;
     vllm-best)       VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
