@@ -9,7 +9,10 @@
 #
 # Real device: about 2.5-17 minutes a system and workload (round 1), some 3-4 hours in all; run it
 # with nothing else on the machine. AZURE (default ../shared/data/traces/azure2023_conv.csv) adds the
-# first 10 minutes of the Azure conversation trace where the file exists.
+# first 10 minutes of the Azure conversation trace where the file exists. A workload whose
+# OUT_DIR/run_W.json exists is not run again (so a cut-off run resumes); STEPLOG=1 also writes each
+# replay's steps to OUT_DIR/steps_W.jsonl (`replay --step-log`), what `aserve profile device
+# --from-steps` calibrates the simulated device on (docs/SIMULATION.md).
 set -euo pipefail
 OUT=${1:-adaptive_runs}
 DEVICE=${DEVICE:-cpu}
@@ -30,13 +33,15 @@ else
        vllm: --mode coupled --instances 2 --batching vllm ; sarathi: --mode coupled --instances 2 --batching sarathi'
 fi
 
-for W in LPLD LPHD HPLD HPHD Mixed; do
+steplog() { [ -n "${STEPLOG:-}" ] && echo "--step-log=$OUT/steps_$1.jsonl" || true; }
+for W in LPLD LPHD HPLD Mixed HPHD; do
+  [ -f "$OUT/run_$W.json" ] && continue
   $PY cli.py replay traces/$W.jsonl --device "$DEVICE" "${FIT[@]}" --compare "$SYS" --json "$OUT/run_$W.json" \
-      --no-progress | tail -n 3
+      $(steplog "$W") --no-progress | tail -n 3
 done
-if [ -f "$AZURE" ]; then
+if [ -f "$AZURE" ] && [ ! -f "$OUT/run_azure.json" ]; then
   $PY cli.py replay "$AZURE" --num-requests 2867 --length-scale 0.1 --time-scale 1.5 --device "$DEVICE" \
-      "${FIT[@]}" --compare "$SYS" --json "$OUT/run_azure.json" --no-progress | tail -n 3
+      "${FIT[@]}" --compare "$SYS" --json "$OUT/run_azure.json" $(steplog azure) --no-progress | tail -n 3
 fi
 $PY scripts/adaptive_table.py "$OUT"/run_*.json | tee "$OUT/table.md"
 
