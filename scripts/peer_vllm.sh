@@ -68,12 +68,26 @@ start_server() {  # $1: server name; echoes the pid
   echo $!
 }
 
-wait_ready() {  # up to 10 minutes for /v1/models
+port_busy() { curl -s -o /dev/null "http://127.0.0.1:$PORT/" ; }
+
+wait_ready() {  # $1: the server's pid; up to 10 minutes for /v1/models, from that server
   for _ in $(seq 600); do
+    kill -0 "$1" 2>/dev/null || { echo "the server exited; see $OUT" >&2; return 1; }
     curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null && return 0
     sleep 1
   done
   echo "server did not come up; see $OUT" >&2
+  return 1
+}
+
+stop_server() {  # $1: pid. The server is not this shell's child (it started in $(...)), so no
+  # `wait`: poll until it is gone (a drain takes seconds), then until nothing answers on the port,
+  # so the next server neither fails to bind nor is measured against this one
+  kill "$1" 2>/dev/null || true
+  for _ in $(seq 120); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
+  kill -9 "$1" 2>/dev/null || true
+  for _ in $(seq 60); do port_busy || return 0; sleep 1; done
+  echo "port $PORT still answers after stopping $1" >&2
   return 1
 }
 
@@ -91,12 +105,13 @@ measure() {  # $1: server name; guidellm 0.8.1's own flags (chat, its default re
 }
 
 install
+if port_busy; then echo "something already answers on port $PORT: stop it or set PORT=" >&2; exit 1; fi
 for server in $SERVERS; do
   pid=$(start_server "$server")
   trap 'kill "$pid" 2>/dev/null || true' EXIT
-  wait_ready
+  wait_ready "$pid"
   measure "$server"
-  kill "$pid"; wait "$pid" 2>/dev/null || true
+  stop_server "$pid"
   trap - EXIT
 done
 "$PY" "$ROOT/scripts/peer_table.py" "$OUT" $SERVERS

@@ -53,6 +53,22 @@ def test_chat_streamed_equals_unstreamed(client, model):
     assert usage.model_dump() == full.usage.model_dump()
 
 
+def test_chat_role_chunk_comes_with_the_first_token_not_before_the_prefill(client):
+    """Clients that time the first chunk as TTFT (vllm bench serve) must not read the time to the
+    response headers: the role chunk comes with the first token, as vLLM sends it. A prompt of
+    ~1,500 tokens takes a visible prefill; the role chunk must not arrive well before the token."""
+    import time
+
+    long = [{"role": "user", "content": "Count the words in this text. " + "one two three four five " * 300}]
+    t0 = time.perf_counter()
+    arrivals = [(time.perf_counter() - t0, c) for c in client.chat.completions.create(
+        model="default", messages=long, max_tokens=4, temperature=0, stream=True)]
+    (t_role, role), (t_token, _) = arrivals[0], arrivals[1]  # the next chunk: a token, or the end
+    assert role.choices[0].delta.role == "assistant"
+    assert t_token > 0.2, f"the prefill took {t_token:.3f} s: too short to tell the chunks apart"
+    assert t_role > 0.8 * t_token, (t_role, t_token)
+
+
 def test_completion_streamed_equals_unstreamed(client):
     kw = dict(model="default", prompt="The capital of France is", max_tokens=12, temperature=0, ignore_eos=True)
     full = client.completions.create(extra_body={"ignore_eos": True},

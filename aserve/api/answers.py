@@ -116,11 +116,15 @@ async def stream(ctx: ServeContext, request: web.Request, req: GenerationRequest
     await resp.prepare(request)
     chunks = _Chunks(ctx, req, response_id)
     try:
-        if req.kind == "chat":
-            for c in choices:
-                await resp.write(chunks.choice(c, Piece(), role=True))
+        # A chat choice's role chunk goes out with its first event (its first token, or its end),
+        # not before the prefill: clients that time the first chunk (vllm bench serve) would
+        # otherwise read the time to the response headers as TTFT. vLLM sends it the same way.
+        unannounced = {id(c) for c in choices} if req.kind == "chat" else set()
         async with contextlib.aclosing(_events(ctx, choices)) as events:
             async for c, ev in events:
+                if id(c) in unannounced:
+                    unannounced.discard(id(c))
+                    await resp.write(chunks.choice(c, Piece(), role=True))
                 piece = c.add(ev)
                 if piece.text or _has_tokens(piece.logprobs):
                     await resp.write(chunks.choice(c, piece))
