@@ -53,11 +53,12 @@ install() {
 start_server() {  # $1: server name; echoes the pid
   local log="$OUT/$1.server.log"
   case "$1" in
-    aserve)          (cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED") ;;
-    aserve-coupled2) (cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED" \
-                        --mode coupled --instances 2) ;;
-    aserve-adaptive) (cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED" \
-                        --mode adaptive) ;;
+    # no ( ) around cd + exec: `$!` must be the server itself, or the kill below misses it
+    aserve)          cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED" ;;
+    aserve-coupled2) cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED" \
+                        --mode coupled --instances 2 ;;
+    aserve-adaptive) cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED" \
+                        --mode adaptive ;;
     vllm-default)    exec "$VENVS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
                         --served-model-name "$SERVED" --port "$PORT" --dtype bfloat16 ;;
     vllm-best)       VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
