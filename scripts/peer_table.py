@@ -27,7 +27,8 @@ def main(out: str, servers: list[str]) -> None:
     print("| server | streams | output tok/s | TTFT median / p95 ms | ITL median / p95 ms | ok / errored |")
     print("|---|---:|---:|---:|---:|---:|")
     for server in servers:
-        runs = sorted(Path(out).glob(f"{server}-c*.json"), key=lambda p: int(re.search(r"-c(\d+)\.json$", p.name)[1]))
+        named = [p for p in Path(out).glob(f"{server}-c*.json") if re.fullmatch(rf"{re.escape(server)}-c\d+\.json", p.name)]
+        runs = sorted(named, key=lambda p: int(re.search(r"-c(\d+)\.json$", p.name)[1]))  # not aserve-coupled2 for aserve
         for i, path in enumerate(runs):
             r = row(path)
             print(f"| {server if i == 0 else ''} | {r['streams']} | {r['tok_s']:.0f} | {r['ttft'][0]:.0f} / "

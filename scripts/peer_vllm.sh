@@ -59,9 +59,13 @@ start_server() {  # $1: server name; echoes the pid
                         --mode coupled --instances 2 ;;
     aserve-adaptive) cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED" \
                         --mode adaptive ;;
-    vllm-default)    exec "$VENVS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+    # VLLM_CPU_KVCACHE_SPACE: vLLM CPU 0.32 otherwise sizes its KV cache to the free memory (20.3 of
+    # 23.5 GiB here), and the worker was OOM-killed at 8 streams beside guidellm; 4 GiB holds about 186k tokens
+    vllm-default)    VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} \
+                     exec "$VENVS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
                         --served-model-name "$SERVED" --port "$PORT" --dtype bfloat16 ;;
     vllm-best)       VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+                     VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} \
                      exec "$VENVS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
                         --served-model-name "$SERVED" --port "$PORT" --dtype bfloat16 ;;
     *) echo "unknown server $1" >&2; return 1 ;;
