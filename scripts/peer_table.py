@@ -28,7 +28,7 @@ def main(out: str, servers: list[str]) -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for server in servers:
         named = [p for p in Path(out).glob(f"{server}-c*.json") if re.fullmatch(rf"{re.escape(server)}-c\d+\.json", p.name)]
-        runs = sorted(named, key=lambda p: int(re.search(r"-c(\d+)\.json$", p.name)[1]))  # not aserve-coupled2 for aserve
+        runs = sorted(named, key=lambda p: int(re.search(r"-c(\d+)\.json$", p.name)[1]))  # not aserve-disagg for aserve
         for i, path in enumerate(runs):
             r = row(path)
             print(f"| {server if i == 0 else ''} | {r['streams']} | {r['tok_s']:.0f} | {r['ttft'][0]:.0f} / "

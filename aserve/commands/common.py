@@ -57,7 +57,7 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
     g.add_argument("--mode", default=default_mode,
                    help="disagg (prefill and decode instances) | coupled | adaptive (--prefill N --decode M to "
                         "start; every instance also prefills in budgeted chunks, prompts go where they cost least)"
-                   + (" | offline (no cluster)" if default_mode == "offline" else ""))
+                   + (" | offline (no cluster)" if default_mode == "offline" else "") + f" (default: {default_mode})")
     g.add_argument("--prefill", type=int, default=1, help="prefill instances (disagg)")
     g.add_argument("--decode", type=int, default=1, help="decode instances (disagg)")
     g.add_argument("--instances", type=int, default=2, help="coupled instances (coupled)")

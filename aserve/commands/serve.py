@@ -1,7 +1,13 @@
 """``aserve serve``: the OpenAI-compatible HTTP server in the cluster's own process and loop.
 
-    aserve serve [--mode disagg --prefill P --decode D | --mode coupled --instances N --batching B]
-                 [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
+    aserve serve [--mode coupled --instances N --batching B | --mode disagg --prefill P --decode D
+                  | --mode adaptive --prefill P --decode D] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+
+``serve`` defaults to ``SERVE_MODE`` (two coupled Sarathi instances, one a core here): in the peer
+table (docs/BENCHMARKS.md, issue 28), under guidellm at 1, 8 and 32 streams, it had the highest
+output tokens/s of aserve's configurations at 32 streams and tied them at 1 and 8, while 1 prefill
++ 1 decode fell behind at 32 streams (one prefill core cannot keep up with 32 streams' prompts).
+``replay`` keeps disagg as its default: the paper's system is what a replay measures.
 """
 from __future__ import annotations
 
@@ -14,6 +20,8 @@ from typing import Optional
 from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config, engine_config, parse_options
 from aserve.commands.serve_predictor import serve_predictor
 from aserve.event_loop import run as run_loop
+
+SERVE_MODE = "coupled"  # the peer table's winner on this machine (see the module docstring)
 
 # After SIGINT/SIGTERM the process is gone within --shutdown-timeout + EXIT_MARGIN_S on any machine:
 # the drain's own waits are bounded (aserve/api/server.py), the cluster waits STOP_WAIT_S at most
@@ -40,7 +48,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (then: abort)")
     s.add_argument("--tui", action="store_true", help="draw the live monitor in this terminal (docs/MONITOR.md)")
-    add_cluster_args(p)
+    add_cluster_args(p, default_mode=SERVE_MODE)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve, predictor=None)  # None: serve_predictor.py picks, and says why
     return p
