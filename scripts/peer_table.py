@@ -27,9 +27,9 @@ def main(out: str, servers: list[str]) -> None:
     print("| server | streams | output tok/s | TTFT median / p95 ms | ITL median / p95 ms | ok / errored |")
     print("|---|---:|---:|---:|---:|---:|")
     for server in servers:
-        named = [p for p in Path(out).glob(f"{server}-c*.json") if re.fullmatch(rf"{re.escape(server)}-c\d+\.json", p.name)]
-        runs = sorted(named, key=lambda p: int(re.search(r"-c(\d+)\.json$", p.name)[1]))  # not aserve-disagg for aserve
-        for i, path in enumerate(runs):
+        own = re.compile(rf"{re.escape(server)}-c(\d+)\.json")  # whole name: not aserve-disagg's for aserve
+        runs = sorted((int(m[1]), p) for p in Path(out).iterdir() if (m := own.fullmatch(p.name)))
+        for i, (_, path) in enumerate(runs):
             r = row(path)
             print(f"| {server if i == 0 else ''} | {r['streams']} | {r['tok_s']:.0f} | {r['ttft'][0]:.0f} / "
                   f"{r['ttft'][1]:.0f} | {r['itl'][0]:.1f} / {r['itl'][1]:.1f} | {r['ok']} / {r['errored']} |")

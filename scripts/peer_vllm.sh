@@ -6,8 +6,8 @@
 #   bash scripts/peer_vllm.sh            # installs the venvs on first use, then measures
 #   SERVERS="aserve vllm-best" bash scripts/peer_vllm.sh
 #
-# Not in CI: it takes about an hour on this 2-core machine and needs the whole machine (run it
-# with nothing else running). Servers:
+# Not in CI: about 20 minutes on this 2-core machine once the venvs exist (an hour with the
+# installs), and it needs the whole machine (run it with nothing else running). Servers:
 #   aserve          `make serve` (the default configuration: --mode coupled --instances 2 --batching sarathi)
 #   aserve-disagg   --mode disagg --prefill 1 --decode 1 (TetriInfer's split; serve's default until issue 28)
 #   aserve-adaptive --mode adaptive (1P+1D to start; each instance also prefills, issue 24)
@@ -52,22 +52,20 @@ install() {
 
 start_server() {  # $1: server name; echoes the pid
   local log="$OUT/$1.server.log"
+  # the server is exec'd in the backgrounded case itself (no ( ) around cd + exec): `$!` must be
+  # the server's pid, or stop_server misses it
+  local aserve=("$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED")
+  local vllm=("$VENVS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL"
+              --served-model-name "$SERVED" --port "$PORT" --dtype bfloat16)
+  # VLLM_CPU_KVCACHE_SPACE: vLLM CPU 0.32 otherwise sizes its KV cache to the free memory (20.3 of
+  # 23.5 GiB here), and the worker was OOM-killed at 8 streams beside guidellm; 4 GiB holds about 186k tokens
+  export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
   case "$1" in
-    # no ( ) around cd + exec: `$!` must be the server itself, or the kill below misses it
-    aserve)          cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED" ;;
-    aserve-disagg)   cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED" \
-                        --mode disagg --prefill 1 --decode 1 ;;
-    aserve-adaptive) cd "$ROOT" && exec "$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED" \
-                        --mode adaptive ;;
-    # VLLM_CPU_KVCACHE_SPACE: vLLM CPU 0.32 otherwise sizes its KV cache to the free memory (20.3 of
-    # 23.5 GiB here), and the worker was OOM-killed at 8 streams beside guidellm; 4 GiB holds about 186k tokens
-    vllm-default)    VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} \
-                     exec "$VENVS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
-                        --served-model-name "$SERVED" --port "$PORT" --dtype bfloat16 ;;
-    vllm-best)       VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
-                     VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} \
-                     exec "$VENVS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
-                        --served-model-name "$SERVED" --port "$PORT" --dtype bfloat16 ;;
+    aserve)          cd "$ROOT" && exec "${aserve[@]}" ;;
+    aserve-disagg)   cd "$ROOT" && exec "${aserve[@]}" --mode disagg --prefill 1 --decode 1 ;;
+    aserve-adaptive) cd "$ROOT" && exec "${aserve[@]}" --mode adaptive ;;
+    vllm-default)    exec "${vllm[@]}" ;;
+    vllm-best)       VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 exec "${vllm[@]}" ;;
     *) echo "unknown server $1" >&2; return 1 ;;
   esac >"$log" 2>&1 &
   echo $!
