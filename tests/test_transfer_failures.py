@@ -3,6 +3,8 @@ transfer that times out under each ``on_transfer_failure`` policy, the lease on 
 decode instance has room for, and the counters ``/metrics`` exports for them. Every request ends
 (with the fault-free tokens, or a readable error) and every block comes back."""
 import asyncio
+import gc
+import weakref
 
 import pytest
 
@@ -122,3 +124,32 @@ def test_lease_bounds_prefilled_kv_no_decode_instance_has_room_for(default_bundl
                 assert cl.all_counts()["transfer_recomputes"] == 1
             await settled(cl, list(cl.instances))
     asyncio.run(main())
+
+
+def test_a_failed_or_timed_out_transfer_leaves_no_cycle_holding_a_pool(default_bundle_fp32, expected):
+    """One transfer fails and the retry times out, the third lands. Raised through
+    ``asyncio.wait_for``, each error's traceback is in a cycle whose frames hold both pools; with
+    the cyclic collector off (as good as off in a process with many objects, where full
+    collections are rare) the pools must still go when the cluster closes. Before ``drop_frames``
+    both outlived it (the 2-minute soak in the suite saw +0.1 GB a re-add)."""
+    cfg = ClusterConfig(mode="disagg", chunk_size=64, transfer_timeout_s=0.3, transfer_retries=2)
+
+    async def main():
+        async with Cluster(ENGINE, cfg, bundle=default_bundle_fp32) as cl:
+            cl.handoff.inject_faults(1)
+            cl.handoff.inject_faults(1, stall_s=30.0)
+            toks, last = await run_one(cl, "r0")
+            counts = cl.all_counts()
+            assert (counts["transfer_failures"], counts["transfer_timeouts"], counts["transfer_retries"]) == (2, 1, 2)
+            pools = [weakref.ref(i.device.kv.pool) for i in cl.instances.values()]
+        return toks, pools
+
+    gc.collect()
+    gc.disable()
+    try:
+        toks, pools = asyncio.run(main())
+        assert toks == expected
+        assert [p() is None for p in pools] == [True, True]
+    finally:
+        gc.enable()
+
