@@ -3,7 +3,8 @@
 ``lost``: requests that did not end with tokens, an error the client could read, or an abort
 (theirs or the client's own cut), plus any left in the request table once everything should have
 ended; ``leaked_blocks``: blocks not free on the live instances at the end, with nothing running.
-Both must be 0. ``rss_growth`` is measured from the first sample after the warm-up to the end.
+Both must be 0, and so must ``removed_alive``: removed instances whose device (so its KV pool) is
+still referenced when the soak ends, with no collection forced. ``rss_growth`` is measured from the first sample after the warm-up to the end.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import numpy as np
 
 from aserve.soak.client import SoakRecord
 
-LIMITS = {"lost": 0, "leaked_blocks": 0, "rss_growth": 0.05, "loop_lag_p99_s": 0.05}  # issue 27's bar
+LIMITS = {"lost": 0, "leaked_blocks": 0, "removed_alive": 0, "rss_growth": 0.05,
+          "loop_lag_p99_s": 0.05}  # issue 27's bar, and no removed device outliving its instance
 
 
 def _quantile(values: Sequence[float], q: float) -> Optional[float]:
@@ -75,6 +77,7 @@ def build_report(meta: dict, records: Sequence[SoakRecord], end: dict, samples: 
     report = {**meta, **requests_summary(records, end["leftover_requests"]),
               "leaked_blocks": sum(end["leaked_blocks"].values()), "leaked_by_instance": end["leaked_blocks"],
               **memory_summary(samples, warmup_s), **lag_summary(lags, samples), **socket_summary(samples),
+              "removed": len(faults.removed), "removed_alive": faults.removed_alive(),
               "kills": faults.kill_report(), "faults": {**client_cuts, **dict(faults.counts)},
               "fault_events": [[round(t, 3), kind, detail] for t, kind, detail in faults.events],
               "free_blocks_series": block_series(samples),
@@ -84,7 +87,7 @@ def build_report(meta: dict, records: Sequence[SoakRecord], end: dict, samples: 
     report["invariants"] = {key: {"value": report[key], "limit": limit,
                                   "ok": report[key] is not None and report[key] <= limit}
                             for key, limit in LIMITS.items()}
-    report["ok"] = report["lost"] == 0 and report["leaked_blocks"] == 0
+    report["ok"] = report["lost"] == 0 and report["leaked_blocks"] == 0 and report["removed_alive"] == 0
     return report
 
 
@@ -95,7 +98,7 @@ def print_summary(report: dict) -> None:
     t = Table(title=f"soak: {report['system']}, {report['duration_s']:g} s")
     t.add_column("figure"), t.add_column("value", justify="right"), t.add_column("limit", justify="right")
     for key in ("sent", "completed", "errored", "aborted", "disconnected", "lost", "wrong_length",
-                "leaked_blocks", "rss_growth", "loop_lag_p99_s", "loop_lag_max_s", "max_recovery_s"):
+                "leaked_blocks", "removed_alive", "rss_growth", "loop_lag_p99_s", "loop_lag_max_s", "max_recovery_s"):
         value = report[key]
         shown = f"{value:.4f}" if isinstance(value, float) else str(value)
         limit = report["invariants"].get(key, {}).get("limit")
