@@ -33,6 +33,9 @@ PROMPT_TOKENS=${PROMPT_TOKENS:-256}
 OUTPUT_TOKENS=${OUTPUT_TOKENS:-128}
 GUIDELLM_VERSION=${GUIDELLM_VERSION:-0.8.1}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
+# vLLM CPU 0.32 otherwise sizes its KV cache to the free memory (20.3 of 23.5 GiB here), and the
+# worker was OOM-killed at 8 streams beside guidellm; 4 GiB holds about 186k tokens
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
 mkdir -p "$OUT"
 
 install() {
@@ -57,9 +60,6 @@ start_server() {  # $1: server name; echoes the pid
   local aserve=("$PY" cli.py serve --port "$PORT" --served-model-name "$SERVED")
   local vllm=("$VENVS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL"
               --served-model-name "$SERVED" --port "$PORT" --dtype bfloat16)
-  # VLLM_CPU_KVCACHE_SPACE: vLLM CPU 0.32 otherwise sizes its KV cache to the free memory (20.3 of
-  # 23.5 GiB here), and the worker was OOM-killed at 8 streams beside guidellm; 4 GiB holds about 186k tokens
-  export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
   case "$1" in
     aserve)          cd "$ROOT" && exec "${aserve[@]}" ;;
     aserve-disagg)   cd "$ROOT" && exec "${aserve[@]}" --mode disagg --prefill 1 --decode 1 ;;

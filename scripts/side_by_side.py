@@ -8,7 +8,9 @@ and on `aserve bench engine --json` reports (the throughputs and ratios it print
 markdown table for docs/BENCHMARKS.md; `--limit P` marks every cell whose difference is over
 P percent with `!`, so a refactor's before/after or a simulation's error against a real run is
 read at a glance. Reports from before TPOT and token gaps were told apart name the per-request
-mean `tbt`; it is read as `tpot`.
+mean `tbt`; it is read as `tpot`. Many workloads' real-against-simulated errors in one table, with
+the token gap and separate limits for means and P99s: scripts/sim_validation.py (which uses this
+file's `latency` and `pct_diff`).
 """
 from __future__ import annotations
 
@@ -36,17 +38,26 @@ def _dig(d, path):
     return d
 
 
-def _latency(system: dict, key: str, stat: str):
+def latency(system: dict, key: str, stat: str):
     block = system.get(key) or (system.get("tbt") if key == "tpot" else None)
     return None if not block else block.get(stat)
 
 
-def _diff(a, b, limit):
+def pct_diff(a, b):
+    """``b`` against ``a`` in percent; None if either is missing, inf if only ``a`` is 0."""
     if a is None or b is None:
+        return None
+    if a == 0:
+        return 0.0 if b == 0 else float("inf")
+    return 100.0 * (b - a) / abs(a)
+
+
+def _diff(a, b, limit):
+    pct = pct_diff(a, b)
+    if pct is None:
         return "n/a"
     if a == 0:
         return "0%" if b == 0 else "inf"
-    pct = 100.0 * (b - a) / abs(a)
     return f"{pct:+.1f}%" + (" !" if limit is not None and abs(pct) > limit else "")
 
 
@@ -62,8 +73,8 @@ def replay_rows(a: dict, b: dict, la: str, lb: str, limit):
         if name not in b["systems"]:
             continue
         sa, sb = a["systems"][name], b["systems"][name]
-        va = [_latency(sa, k, s) for _, k, s in REPLAY_CELLS] + [sa.get(k) for _, k in REPLAY_SCALARS]
-        vb = [_latency(sb, k, s) for _, k, s in REPLAY_CELLS] + [sb.get(k) for _, k in REPLAY_SCALARS]
+        va = [latency(sa, k, s) for _, k, s in REPLAY_CELLS] + [sa.get(k) for _, k in REPLAY_SCALARS]
+        vb = [latency(sb, k, s) for _, k, s in REPLAY_CELLS] + [sb.get(k) for _, k in REPLAY_SCALARS]
         print(f"| {name} | {la} | " + " | ".join(_fmt(v) for v in va) + " |")
         print(f"|  | {lb} | " + " | ".join(_fmt(v) for v in vb) + " |")
         print("|  | diff | " + " | ".join(_diff(x, y, limit) for x, y in zip(va, vb)) + " |")

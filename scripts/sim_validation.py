@@ -17,15 +17,18 @@ import json
 import sys
 from pathlib import Path
 
+from side_by_side import latency, pct_diff  # this folder is on the path when a script here runs
+
 METRICS = (("ttft", "TTFT"), ("token_gap", "TBT"), ("jct", "JCT"))
 
 
 def fmt(x: float) -> str:
-    return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
+    return "n/a" if x is None else f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
 
 
 def cell(real: float, sim: float, limit: float) -> tuple[str, bool]:
-    err = (sim - real) / real if real else float("nan")
+    err = pct_diff(real, sim)
+    err = float("nan") if err is None or real == 0 else err / 100
     bad = not abs(err) <= limit
     return f"{fmt(real)} / {fmt(sim)} ({err:+.0%}{' !' if bad else ''})", bad
 
@@ -38,7 +41,7 @@ def rows(name: str, real: dict, sim: dict, systems: list[str], mean_limit: float
         cells = []
         for key, _ in METRICS:
             for stat, limit in (("mean", mean_limit), ("p99", p99_limit)):
-                text, miss = cell(real[s][key][stat], sim[s][key][stat], limit)
+                text, miss = cell(latency(real[s], key, stat), latency(sim[s], key, stat), limit)
                 cells.append(text)
                 bad, total = bad + miss, total + 1
         busy = f"{real[s]['resource_usage_s']:.0f} / {sim[s]['resource_usage_s']:.0f}"

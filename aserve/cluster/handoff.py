@@ -237,4 +237,3 @@ def drop_frames(exc: BaseException) -> None:
         seen.add(id(exc))
         traceback.clear_frames(exc.__traceback__)
         exc = exc.__cause__ or exc.__context__
-

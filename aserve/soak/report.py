@@ -4,7 +4,8 @@
 (theirs or the client's own cut), plus any left in the request table once everything should have
 ended; ``leaked_blocks``: blocks not free on the live instances at the end, with nothing running.
 Both must be 0, and so must ``removed_alive``: removed instances whose device (so its KV pool) is
-still referenced when the soak ends, with no collection forced. ``rss_growth`` is measured from the first sample after the warm-up to the end.
+still referenced when the soak ends, with no collection forced. ``rss_growth`` is measured from
+the first sample after the warm-up to the end.
 """
 from __future__ import annotations
 
