@@ -42,6 +42,8 @@ def test_summary_from_replay_reports(tmp_path):
     assert rows["sklearn"]["per_seed"] == {"0": 0.5, "1": 0.9, "2": None}
     assert rows["sklearn"]["n"] == 2 and rows["sklearn"]["mean"] == pytest.approx(0.7)
     assert rows["lm"]["per_seed"]["1"] == -0.5 and rows["lm"]["mean"] == pytest.approx((0.2 - 0.5) / 2)
+    means = study.summarize()["means"]
+    assert means["none"] == {"0": 20, "1": 30, "2": 25} and means["reserve-dynamic-lm"]["1"] == 35
     assert ShareStudy(tmp_path, backends=("sklearn",), policies=("reserve-dynamic",), seeds=(0,),
                       metric="normalized_latency").summarize()["policies"]["reserve-dynamic"]["sklearn"]["mean"] == \
         pytest.approx(0.5)

@@ -88,5 +88,12 @@ def _print(summary: dict, failed: list) -> None:
             table.add_row(policy, b, str(r["n"]), pct(r["mean"]), pct(r["std"]), pct(r["min"]), pct(r["max"]),
                           " ".join(f"{s}:{pct(v)}" for s, v in r["per_seed"].items()))
     Console().print(table)
+    means = Table(title=f"mean {summary['metric']} per system and seed, s")
+    seeds = sorted({s for row in summary["means"].values() for s in row}, key=int)
+    for col in ("system", *(f"seed {s}" for s in seeds)):
+        means.add_column(col, justify="right")
+    for name, row in summary["means"].items():
+        means.add_row(name, *("-" if row.get(s) is None else f"{row[s]:.2f}" for s in seeds))
+    Console().print(means)
     if failed:
         print(f"replays that exited non-zero (see their JSON): {', '.join(failed)}")

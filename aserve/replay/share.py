@@ -103,8 +103,10 @@ class ShareStudy:
         return steps
 
     def summarize(self) -> dict:
-        """Per policy and backend: the share on every seed whose three replays are done, and its spread."""
-        out = {"metric": self.metric, "policies": {}}
+        """Per policy and backend: the share on every seed whose three replays are done, and its spread;
+        ``means``: every system's mean of the metric per seed (the figures the shares come from)."""
+        out = {"metric": self.metric, "policies": {},
+               "means": {name: {str(seed): self._mean(seed, name) for seed in self.seeds} for name, _ in self.systems()}}
         for policy in self.policies:
             rows = {}
             for b in self.backends:
