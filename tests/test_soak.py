@@ -100,12 +100,20 @@ def test_two_minute_soak_loses_nothing_and_leaks_nothing(tmp_path):
     not this test process's, which carries the allocations of every test before it (in the suite
     it was 5.3-5.6 GB, and its growth moved with them: +5.5% and +7.7% in two CI runs where the
     soak alone measures under 1%). Each re-add swaps a 0.1 GB pool, about 5% of the soak's
-    process, so a pool that outlived its instance shows; a failure prints the RSS steps."""
+    process, so a pool that outlived its instance shows; a failure prints the RSS steps.
+
+    RSS growth is taken after a 40 s warm-up: on an AVX2 CPU (fp32, torch's own matrix products)
+    RSS climbs for the first 45 s as the allocator warms (1,354 -> 1,402 MB in one run, 1,432 ->
+    1,472 in another) and then moves +-30 MB with the re-adds, so growth from the default 12 s
+    read 3.0% alone and 7.0% in CI's suite with 0 of 9 removed devices alive. A leaked pool per
+    re-add would still add 0.1 GB at each of the ~6 re-adds after 40 s. The fault schedule removed
+    9 instances on that CPU and 10 or more on the AVX512 one; 6 is enough to show none outlives
+    its removal."""
     out, plot = tmp_path / "soak.json", tmp_path / "soak.png"
     run = subprocess.run(
         [sys.executable, str(ROOT / "cli.py"), "soak", str(ROOT / "traces" / "Mixed.jsonl"), "--duration", "120",
          "--json", str(out), "--plot", str(plot), "--length-scale", "0.05", "--max-output-tokens", "64",
-         "--rate", "1.5", "--mode", "disagg", "--prefill", "2", "--decode", "2", "--kv-cache-gb", "0.1",
+         "--rate", "1.5", "--warmup", "40", "--mode", "disagg", "--prefill", "2", "--decode", "2", "--kv-cache-gb", "0.1",
          "--threads", "2", "--chunk-size", "128", "--max-num-batched-tokens", "512", "--transfer-timeout", "1",
          "--lease", "10", "--fault-interval", "4", "--readd-after", "2", "6", "--drain-timeout", "60"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -115,7 +123,7 @@ def test_two_minute_soak_loses_nothing_and_leaks_nothing(tmp_path):
     assert report["lost"] == 0, report["lost_examples"]
     assert report["leaked_blocks"] == 0, report["leaked_by_instance"]
     assert report["loop_lag_p99_s"] < 0.05, (report["loop_lag_p99_s"], report["loop_lag_max_s"])
-    assert report["removed"] >= 10 and report["removed_alive"] == 0, report["removed_alive"]
+    assert report["removed"] >= 6 and report["removed_alive"] == 0, (report["removed"], report["removed_alive"])
     assert report["rss_growth"] < 0.05, _rss_steps(report)
     assert run.returncode == 0 and plot.stat().st_size > 10_000
     assert report["completed"] > 50 and report["disconnected"] > 0 and report["aborted"] > 0
