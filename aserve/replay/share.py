@@ -105,16 +105,16 @@ class ShareStudy:
     def summarize(self) -> dict:
         """Per policy and backend: the share on every seed whose three replays are done, and its spread;
         ``means``: every system's mean of the metric per seed (the figures the shares come from)."""
-        out = {"metric": self.metric, "policies": {},
-               "means": {name: {str(seed): self._mean(seed, name) for seed in self.seeds} for name, _ in self.systems()}}
+        table = {name: {str(seed): self._mean(seed, name) for seed in self.seeds} for name, _ in self.systems()}
+        out = {"metric": self.metric, "policies": {}, "means": table}
         for policy in self.policies:
             rows = {}
             for b in self.backends:
                 per_seed = {}
-                for seed in self.seeds:
-                    means = [self._mean(seed, n) for n in ("none", f"{policy}-{b}", f"{policy}-oracle")]
+                for seed in map(str, self.seeds):
+                    means = [table[n][seed] for n in ("none", f"{policy}-{b}", f"{policy}-oracle")]
                     if None not in means:
-                        per_seed[str(seed)] = share(*means)
+                        per_seed[seed] = share(*means)
                 rows[b] = {"per_seed": per_seed, **spread(list(per_seed.values()))}
             out["policies"][policy] = rows
         return out
