@@ -7,8 +7,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.aserve-installed
 ARGS ?=
+# make test leaves out the tests marked long (make test-long runs only them, make test-all everything):
+# CI's make test stays under 15 minutes on a 2-core AVX2 CPU.
+MARKS ?= not long
 
-.PHONY: serve test install predictors bench clean
+.PHONY: serve test test-long test-all install predictors bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,7 +32,13 @@ serve: $(STAMP)
 	$(VENV)/bin/aserve serve $(ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -ra --durations=15 $(ARGS)
+	$(VENV)/bin/python -m pytest -q -ra --durations=15 -m "$(MARKS)" $(ARGS)
+
+test-long: $(STAMP)
+	$(MAKE) test MARKS=long
+
+test-all: $(STAMP)
+	$(MAKE) test MARKS=
 
 bench: $(STAMP)
 	$(VENV)/bin/aserve bench engine --json docs/bench_engine.json

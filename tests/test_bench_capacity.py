@@ -49,6 +49,7 @@ def test_rate_is_searched_not_given(tmp_path):
         a.func(a)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_capacity_on_the_default_model(tmp_path):
     trace = tmp_path / "t.jsonl"

@@ -11,7 +11,7 @@ from aserve.config import EngineConfig
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("kernels", ["auto", "fallback"])
+@pytest.mark.parametrize("kernels", ["auto", pytest.param("fallback", marks=pytest.mark.long)])
 def test_quick_engine_bench_writes_consistent_figures(tmp_path, kernels):
     out = tmp_path / "bench.json"
     assert run_engine_bench(EngineConfig(kernels=kernels), str(out), quick=True) == 0

@@ -38,20 +38,31 @@ async def run_cluster(bundle, cfg, ids, sp=GREEDY, eng=None):
         return [r.output_token_ids for r in reqs], cl
 
 
-def test_disagg_and_coupled_match_offline(bundle):
-    # chunk edges (512 / 513), several chunks, and one prompt past 2,048 tokens; fp32, four runs: the
-    # suite's longest test, so no more long prompts than that (700 / 900 / 1,200 added nothing the
-    # 513 and 2,200 do not cover, and cost a third of its time)
-    lengths = [5, 9, 17, 30, 48, 64, 100, 130, 200, 256, 333, 400, 512, 513, 2200]
-    ids = prompts(lengths)
-    llm = LLM(engine(), bundle=bundle)
-    want = [c.token_ids for c in llm.generate(ids, GREEDY)]
+PARITY_LENGTHS = [5, 9, 17, 30, 48, 64, 100, 130, 200, 256, 333, 400, 512, 513, 2200]
+
+
+@pytest.fixture(scope="module")
+def parity_want(bundle):
+    """Offline greedy answers to the parity prompts: chunk edges (512 / 513), several chunks and one
+    prompt past 2,048 tokens; fp32. No more long prompts than that (700 / 900 / 1,200 added nothing
+    the 513 and 2,200 do not cover, and cost a third of the time)."""
+    ids = prompts(PARITY_LENGTHS)
+    want = [c.token_ids for c in LLM(engine(), bundle=bundle).generate(ids, GREEDY)]
     assert all(len(w) == GREEDY.max_tokens for w in want)
-    for cfg in (ClusterConfig(mode="coupled", num_coupled=2),
-                ClusterConfig(mode="disagg", num_prefill=1, num_decode=1),
-                ClusterConfig(mode="disagg", num_prefill=2, num_decode=2, prefill_policy="sjf")):
-        got, _ = asyncio.run(run_cluster(bundle, cfg, ids))
-        assert got == want, cfg
+    return ids, want
+
+
+@pytest.mark.parametrize("cfg", [
+    ClusterConfig(mode="coupled", num_coupled=2),
+    ClusterConfig(mode="disagg", num_prefill=1, num_decode=1),
+    # the third split adds a second instance on each side and SJF prefill order: make test-long
+    pytest.param(ClusterConfig(mode="disagg", num_prefill=2, num_decode=2, prefill_policy="sjf"),
+                 marks=pytest.mark.long),
+], ids=["coupled2", "disagg1p1d", "disagg2p2d-sjf"])
+def test_disagg_and_coupled_match_offline(bundle, parity_want, cfg):
+    ids, want = parity_want
+    got, _ = asyncio.run(run_cluster(bundle, cfg, ids))
+    assert got == want, cfg
 
 
 def test_abort_anywhere_frees_blocks(bundle):

@@ -168,6 +168,7 @@ def test_alise_swap_same_dtype_keeps_greedy_output(tiny_model):
             assert [len(g) for g in got] == [24] * len(prompts)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_int8_swap_on_the_default_model_agrees_with_no_preemption(default_bundle_fp32):
     """20 real prompts, 32 greedy tokens each, under ALISE with a pool small enough that jobs are

@@ -197,6 +197,7 @@ def test_cached_artefact_is_loaded_the_second_time(bundle, pool, data, capsys):
     assert "loaded from" in capsys.readouterr().err
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_lm_reads_its_features_from_the_served_prefill(bundle, pool, data):
     """lm's backbone is the served model's first 16 layers: a chat request's prefill hands over the

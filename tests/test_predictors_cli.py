@@ -26,6 +26,7 @@ def labels(tmp_path_factory):
     return write_synthetic_labels(labelling_order(load_prompts())[:300], tmp_path_factory.mktemp("l") / "labels.jsonl")
 
 
+@pytest.mark.long
 def test_train_then_eval_writes_the_report(labels, tmp_path, capsys):
     out = tmp_path / "model"
     assert run("predictor", "train", "--backend", "sklearn", "--granularity", 200, "--labels", labels,

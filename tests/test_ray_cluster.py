@@ -61,6 +61,7 @@ def test_same_greedy_output_as_in_process(local_ray, default_bundle_fp32, offlin
     assert 0 < stats["real_copy_s"] <= stats["emulated_s"]  # the emulated time never hides the real one
 
 
+@pytest.mark.long
 def test_killed_actor_mid_run_loses_no_request(local_ray, default_bundle_fp32, offline):
     """1 prefill + 2 decode actors; once 40 tokens have streamed, the decode actor holding the
     most requests is killed (``ray.kill``: its process is gone, as a lost host's would be)."""
