@@ -108,7 +108,8 @@ def test_two_minute_soak_loses_nothing_and_leaks_nothing(tmp_path):
     read 3.0% alone and 7.0% in CI's suite with 0 of 9 removed devices alive. A leaked pool per
     re-add would still add 0.1 GB at each of the ~6 re-adds after 40 s. The fault schedule removed
     9 instances on that CPU and 10 or more on the AVX512 one; 6 is enough to show none outlives
-    its removal."""
+    its removal. Growth compares RSS levels (10-s medians: aserve/soak/report.py),
+    so one sample taken between a pool's free and its replacement's making does not count."""
     out, plot = tmp_path / "soak.json", tmp_path / "soak.png"
     run = subprocess.run(
         [sys.executable, str(ROOT / "cli.py"), "soak", str(ROOT / "traces" / "Mixed.jsonl"), "--duration", "120",
