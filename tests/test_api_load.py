@@ -78,6 +78,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, hang_up_after: int | None) 
     return {"hung_up": False, "events": events}
 
 
+@pytest.mark.long  # the 2-minute soak cuts a third of its requests and checks every block
 def test_half_hang_up_blocks_come_back(server):
     rng = random.Random(2)
     baseline = server.wait_idle()

@@ -53,7 +53,8 @@ def parity_want(bundle):
 
 
 @pytest.mark.parametrize("cfg", [
-    ClusterConfig(mode="coupled", num_coupled=2),
+    # coupled and the 2P+2D SJF split: make test-long (the 1P+1D split covers chunking and hand-over)
+    pytest.param(ClusterConfig(mode="coupled", num_coupled=2), marks=pytest.mark.long),
     ClusterConfig(mode="disagg", num_prefill=1, num_decode=1),
     # the third split adds a second instance on each side and SJF prefill order: make test-long
     pytest.param(ClusterConfig(mode="disagg", num_prefill=2, num_decode=2, prefill_policy="sjf"),
@@ -89,7 +90,7 @@ def test_abort_anywhere_frees_blocks(bundle):
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("preemption", ["recompute", pytest.param("swap", marks=pytest.mark.long)])
 def test_decode_preemption_keeps_greedy_output(bundle, preemption):
     """A decode pool too small for the batch forces preemption; outputs stay the same."""
     ids = prompts([60, 70, 80, 90, 100, 110], seed=2)

@@ -60,6 +60,7 @@ def test_killed_decode_instance_loses_no_request(workload):
     drill(workload, kill, then=then)
 
 
+@pytest.mark.long  # the soak's kills and the decode-kill drill cover the loss
 def test_prefill_step_that_raises_loses_no_request(workload):
     async def fault(cl):
         cl.lifecycle.inject_fault("p0")
@@ -74,6 +75,7 @@ def test_prefill_step_that_raises_loses_no_request(workload):
     drill(workload, fault, after_tokens=2, then=then)
 
 
+@pytest.mark.long  # the soak fails transfers; test_transfer_failures has the policies
 def test_failed_transfer_is_retried_and_frees_both_sides(workload):
     async def fail_links(cl):
         cl.handoff.inject_faults(3)

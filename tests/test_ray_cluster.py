@@ -39,6 +39,7 @@ async def settled_on_ray(cl: Cluster, survivors) -> None:
         assert held["exports"] == {}, (iid, held)
 
 
+@pytest.mark.long  # test_ray_device moves real KV through the actor's device
 def test_same_greedy_output_as_in_process(local_ray, default_bundle_fp32, offline):
     ids = prompts([5, 17, 64, 130, 300])
     want = offline(ids)
