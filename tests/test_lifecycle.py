@@ -124,6 +124,7 @@ def test_no_instance_left_ends_requests_with_a_clear_error(workload):
     asyncio.run(main())
 
 
+@pytest.mark.long  # test_adaptive_cluster flips a loaded instance and checks its outputs; the soak flips throughout
 def test_flip_under_load_keeps_outputs_and_is_fast(workload):
     _, ids, want = workload
     records = []
