@@ -71,6 +71,7 @@ def release_freed_memory() -> bool:
     trim(0)
     return True
 
+
 class InstanceError(ValueError):
     """A lifecycle request that cannot be carried out (unknown id, last of its role, ...)."""
 
