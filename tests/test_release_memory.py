@@ -1,16 +1,12 @@
 """A removed instance's freed memory goes back to the OS: glibc keeps a thread's malloc arena
 mapped after the thread's buffers are freed, and each instance steps on a thread of its own."""
-import os
 import threading
 from pathlib import Path
 
 import pytest
 
 from aserve.cluster.lifecycle import _libc_trim, release_freed_memory
-
-
-def rss_bytes() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+from aserve.soak.probe import rss_bytes  # the soak's own RSS reading
 
 
 @pytest.mark.skipif(_libc_trim() is None or not Path("/proc/self/statm").exists(),
