@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Optional
+from typing import Container, Hashable, Optional
 
 from scheduling.base import Scheduler
 from scheduling.block_manager import BlockManager, blocks_needed
@@ -83,14 +83,20 @@ class DecodeScheduler(Scheduler):
         """
         assert request.request_id not in self._requests, f"duplicate {request.request_id}"
         n = blocks_needed(request.num_computed_tokens, self.blocks.block_size)
-        if any(not r.block_ids for r in self._waiting):
-            return None
-        if n > self.blocks.num_free - self.reserved_blocks():
+        if n > self.incoming_room():
             return None
         self._requests[request.request_id] = request
         self._incoming[request.request_id] = self.blocks.allocate(n)
         self._incoming_at[request.request_id] = self.clock.now()
         return list(self._incoming[request.request_id])
+
+    def incoming_room(self) -> int:
+        """Blocks a hand-over may reserve now (``allocate_incoming`` takes a request whose KV fits
+        in them): -1 while a preempted request waits for blocks, else the free blocks less what
+        the policy reserves for the batch."""
+        if any(not r.block_ids for r in self._waiting):
+            return -1
+        return self.blocks.num_free - self.reserved_blocks()
 
     def accept_incoming(self, request: Request) -> None:
         """The prompt KV has fully arrived; the request carries its first sampled token."""
@@ -111,11 +117,11 @@ class DecodeScheduler(Scheduler):
         self._requests[request.request_id] = request
         self._waiting.append(request)
 
-    def reclaim_incoming(self, lease_s: float, keep: Iterable[str] = ()) -> list[str]:
+    def reclaim_incoming(self, lease_s: float, keep: Container[str] = ()) -> list[str]:
         """Free reservations older than ``lease_s`` whose KV never arrived (the sender died or
-        its handoff was lost); ``keep`` names transfers the caller knows are still moving.
-        Returns the reclaimed request ids."""
-        keep, cutoff = set(keep), self.clock.now() - lease_s
+        its handoff was lost); ``keep`` holds (``in``) transfers the caller knows are still
+        moving, and is asked only about the stale ones. Returns the reclaimed request ids."""
+        cutoff = self.clock.now() - lease_s
         stale = [rid for rid, t in self._incoming_at.items() if t <= cutoff and rid not in keep]
         for rid in stale:
             self._retire(rid)

@@ -153,3 +153,40 @@ def test_a_failed_or_timed_out_transfer_leaves_no_cycle_holding_a_pool(default_b
     finally:
         gc.enable()
 
+
+
+def test_a_waiting_hand_over_goes_on_once_blocks_free_and_leaves_when_aborted(default_bundle_fp32, expected):
+    """The only decode pool is full: the prefilled requests wait in the hand-over's waiting room
+    (not retried while nothing has room), the first goes on within a few ticks of the blocks
+    freeing and ends with the fault-free tokens; the second, aborted while it waits, leaves the
+    room with its prefill blocks freed, and nothing stays held."""
+    cfg = ClusterConfig(mode="disagg", chunk_size=64, monitor_interval_s=0.05)  # a tick: 5 ms
+
+    async def main():
+        async with Cluster(ENGINE, cfg, bundle=default_bundle_fp32) as cl:
+            p, d = cl.instances["p0"], cl.instances["d1"]
+            held = d.blocks.allocate(d.blocks.num_free)
+            first = asyncio.create_task(run_one(cl, "r0"))
+            second = cl.submit(PROMPT, SP, request_id="r1")
+            for _ in range(1000):
+                if cl.handoff.num_waiting == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert cl.handoff.num_waiting == 2 and {cl.requests[r].phase for r in ("r0", "r1")} == {"transfer"}
+            req0 = cl.requests["r0"].request
+            await asyncio.sleep(0.2)  # 40 ticks without room: both still wait, the lease is 60 s
+            assert cl.handoff.num_waiting == 2 and not first.done() and p.num_requests == 2
+            assert cl.abort("r1")
+            await asyncio.sleep(0.05)
+            assert cl.handoff.num_waiting == 1 and p.num_requests == 1  # r1's prefill blocks are freed
+            freed_at = cl.clock.now()
+            d.blocks.free(held)
+            toks, last = await first
+            assert last.finish_reason == "length" and toks == expected
+            waited = req0.times["transfer_start"] - freed_at
+            assert 0 <= waited < 0.5, f"the hand-over went on {waited:.3f} s after the blocks freed"
+            events = [ev async for ev in cl.stream(second)]
+            assert events[-1].finish_reason == "abort" and len(events) <= 2  # the prefill's token at most
+            assert cl.handoff.num_waiting == 0
+            await settled(cl, list(cl.instances))
+    asyncio.run(main())

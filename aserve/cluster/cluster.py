@@ -63,7 +63,7 @@ class Cluster:
         self.core_share = CoreShare(cfg.device_share == "dedicated" and engine.device == "cpu", self._cores())
         self.lifecycle = Lifecycle(cfg, self.clock, self.log, self)
         self.handoff = Handoff(cfg, self.clock, self.log, self.instances, self.finish, self.lifecycle.rerun,
-                               self.lifecycle.recompute)
+                               self.lifecycle.recompute, spawn=self.spawn)
         self.predictor = OnlinePredictor(cfg)
         self.placement = Placement(PlacementConfig(
             engine.max_num_batched_tokens, cfg.placement_step_s, cfg.placement_prefill_token_s,
@@ -233,9 +233,11 @@ class Cluster:
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams = SamplingParams(),
                request_id: Optional[str] = None, prompt_text: str = "",
-               oracle_length: Optional[int] = None) -> RequestHandle:
+               oracle_length: Optional[int] = None, stream_tokens: bool = True) -> RequestHandle:
         """Enter a request: it goes to the least-loaded prefill (or coupled) instance.
-        ``oracle_length`` (replay knows it) is the true output length the ``oracle`` predictor reads."""
+        ``oracle_length`` (replay knows it) is the true output length the ``oracle`` predictor reads;
+        ``stream_tokens=False``: ``stream`` yields only the final event (``token_times`` has every
+        token's time either way)."""
         assert self.started, "start the cluster first"
         self.bundle.check_fits(len(prompt_token_ids), sampling.max_tokens)
         rid = request_id or f"req-{next(self._ids)}"
@@ -246,7 +248,7 @@ class Cluster:
             req.oracle_length = oracle_length  # predictors.simple.ORACLE_ATTR
         self._check_capacity(req)
         req.times["arrival"] = req.arrival_time
-        handle = RequestHandle(req)
+        handle = RequestHandle(req, stream_tokens=stream_tokens)
         self.requests[rid] = handle
         self.predictor.start(req)
         if not self.predictor.try_attach(req):  # not ready at once (none and oracle are): on its thread
@@ -410,7 +412,8 @@ class Cluster:
         now = self.clock.now()
         req.times.setdefault("first_token", now)
         handle.token_times.append(now)
-        handle.queue.put_nowait(TokenEvent(req.output_token_ids[-1], logprobs=logprobs))
+        if handle.stream_tokens:
+            handle.queue.put_nowait(TokenEvent(req.output_token_ids[-1], logprobs=logprobs))
         self.lifecycle.recovered(req.request_id)
         if reason:
             self.finish(handle, reason)

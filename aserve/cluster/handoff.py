@@ -12,6 +12,8 @@ Failure handling, every step counted (``counts``):
         └─► transfer_failures (+ transfer_timeouts) ─► frees what the receiver reserved ─►
             retried on another decode instance (transfer_retries), then given up
     no decode instance has room (or none is left) for lease_s ─► prefill_leases_expired, given up
+                (meanwhile it waits in the hand-over's waiting room, retried only when some
+                decode instance has the blocks it needs: see ``_tend_room``)
     given up ─► on_transfer_failure: recompute (transfer_recomputes: re-run from the prompt,
                 the tokens streamed so far kept) | fail (transfer_failed_requests: an error the
                 client can read); the sender's blocks are freed either way
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import traceback
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from aserve.cluster.requests import EventLog, RequestHandle
@@ -33,11 +36,22 @@ from aserve.engine.instance import Instance
 from netemu import KVEmulation, KVLink, parse_link
 from netemu.transfer import TransferError
 from scheduling.clock import Clock
+from scheduling.block_manager import blocks_needed
 from scheduling.dispatch import NoDecodeInstance
 from scheduling.request import Request
 
 COUNTERS = ("transfer_failures", "transfer_timeouts", "transfer_retries", "transfer_recomputes",
             "transfer_failed_requests", "prefill_leases_expired")
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A prefilled request no decode instance has room for, in the waiting room."""
+
+    handle: RequestHandle
+    epoch: int
+    since: float  # when it began waiting (its lease)
+    woken: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class Handoff:
@@ -46,8 +60,10 @@ class Handoff:
 
     def __init__(self, cfg: ClusterConfig, clock: Clock, log: EventLog, instances: dict[str, Instance],
                  finish: Callable[..., None], rerun: Callable[[RequestHandle, str], None],
-                 recompute: Callable[[RequestHandle, str], None]):
+                 recompute: Callable[[RequestHandle, str], None],
+                 spawn: Callable[..., asyncio.Task] = asyncio.create_task):
         self.cfg, self.clock, self.log, self.instances = cfg, clock, log, instances
+        self._spawn = spawn
         self._finish, self._rerun, self._recompute = finish, rerun, recompute
         self.links: dict[tuple[str, str], KVLink] = {}
         self.link_profile = parse_link(cfg.link)
@@ -58,11 +74,18 @@ class Handoff:
         self._receiving: collections.Counter = collections.Counter()  # instance id -> copies into it
         self._copying: set[str] = set()  # request ids whose copy is in flight
         self._rerun_after_copy: dict[str, str] = {}  # request id -> why: re-run once its copy landed
+        self._room: list[_Waiter] = []  # hand-overs waiting for a decode instance with room, in order
+        self._tender: Optional[asyncio.Task] = None  # wakes them (``_tend_room``) while there are any
 
     # ---- views and drills --------------------------------------------------------------------
     def moving(self, instance_id: str) -> int:
         """Hand-overs from or copies into the instance (a drain waits for none)."""
         return self._sending[instance_id] + self._receiving[instance_id]
+
+    @property
+    def num_waiting(self) -> int:
+        """Prefilled requests waiting for a decode instance with room."""
+        return sum(not w.woken.done() for w in self._room)
 
     def receiving(self, instance_id: str) -> int:
         return self._receiving[instance_id]
@@ -154,14 +177,50 @@ class Handoff:
             self.log.log("transfer_retry", dst.id, f"{rid}: KV transfer to {dst.id} failed ({error}), retry {failures}")
 
     async def _wait_for_room(self, src: Instance, handle: RequestHandle, since: float) -> bool:
-        """Wait a moment for a decode instance with room; False once the lease has run out (the
-        KV is released and the request given up): prefilled KV is never held forever."""
+        """Wait for a decode instance with room; False once the lease has run out (the KV is
+        released and the request given up): prefilled KV is never held forever."""
         if self.clock.now() - since >= self.cfg.lease_s:
             self.counts["prefill_leases_expired"] += 1
             self._give_up(src, handle, f"no decode instance had room for it within the {self.cfg.lease_s:g} s lease")
             return False
-        await asyncio.sleep(self.cfg.monitor_interval_s / 10)
+        waiter = _Waiter(handle, handle.epoch, since)
+        self._room.append(waiter)
+        if self._tender is None or self._tender.done():
+            self._tender = self._spawn(self._tend_room())
+        try:
+            await waiter.woken
+        finally:
+            waiter.woken.cancel()  # a cancelled wait leaves the room at the next tick
         return True
+
+    async def _tend_room(self) -> None:
+        """Every tenth of a monitor interval, wake the waiting hand-overs that may go on: those
+        some active decode instance has the blocks for now (in the order they entered the room,
+        each counted against the roomiest such instance, so one freed block does not wake them
+        all), and those whose request ended, was re-run, or whose lease ran out. The rest sleep
+        on: in an overloaded cluster hundreds of prefilled requests wait, and retrying each one's
+        dispatch every tick cost most of a simulated run's time without placing one more."""
+        while self._room:
+            await asyncio.sleep(self.cfg.monitor_interval_s / 10)
+            now, lease = self.clock.now(), self.cfg.lease_s
+            rooms = [[inst.kv_room(), inst.blocks.block_size] for inst in self.instances.values()
+                     if inst.role == "decode" and inst.state == "active"]
+            most = max((room for room, _ in rooms), default=-1)  # no waiter needing more goes on
+            size = max((size for _, size in rooms), default=1)  # the fewest blocks any room counts
+            waiting = []
+            for w in self._room:
+                if w.woken.done():  # its wait was cancelled
+                    continue
+                h = w.handle
+                if h.epoch != w.epoch or h.aborted or now - w.since >= lease:
+                    w.woken.set_result(None)
+                elif (blocks_needed(h.request.num_computed_tokens, size) <= most
+                      and _claim(rooms, h.request.num_computed_tokens)):
+                    w.woken.set_result(None)
+                    most = max(room for room, _ in rooms)
+                else:
+                    waiting.append(w)
+            self._room = waiting
 
     def _give_up(self, src: Instance, handle: RequestHandle, why: str) -> None:
         """The KV cannot be handed over: free it on the sender, then recompute or fail the request."""
@@ -223,6 +282,20 @@ class Handoff:
         if key not in self.links:
             self.links[key] = KVLink(self.link_profile, self.clock, emulation=self.emulation)
         return self.links[key]
+
+
+def _claim(rooms: list[list[int]], num_tokens: int) -> bool:
+    """Count ``num_tokens`` of KV against the room (``[free blocks, block size]``) left roomiest
+    by it, if any has the blocks; whether one had."""
+    best, best_left = None, -1
+    for room in rooms:
+        left = room[0] - blocks_needed(num_tokens, room[1])
+        if left > best_left:
+            best, best_left = room, left
+    if best is None:
+        return False
+    best[0] = best_left
+    return True
 
 
 def drop_frames(exc: BaseException) -> None:

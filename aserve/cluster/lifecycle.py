@@ -384,10 +384,22 @@ class Lifecycle:
 
     def reclaim_leases(self) -> None:
         """Free decode-side reservations whose KV never arrived within ``lease_s``."""
-        moving = {rid for rid, h in self.plane.requests.items() if h.phase == "transfer"}
+        moving = _InPhase(self.plane.requests, "transfer")  # asked only about stale reservations
         for inst in self.plane.instances.values():
             if inst.role != "decode" or inst.state == "failed":
                 continue
             for rid in inst.reclaim_kv(self.cfg.lease_s, keep=moving):
                 self.counts["decode_leases_expired"] += 1
                 self.log.log("lease_expired", inst.id, f"freed the blocks reserved for {rid}")
+
+
+class _InPhase:
+    """``rid in view``: the request is in the table and in ``phase`` (a set of them all would
+    cost a pass over every request each monitor tick; a long queue holds thousands)."""
+
+    def __init__(self, requests: dict[str, RequestHandle], phase: str):
+        self.requests, self.phase = requests, phase
+
+    def __contains__(self, rid: object) -> bool:
+        handle = self.requests.get(rid)
+        return handle is not None and handle.phase == self.phase

@@ -33,6 +33,10 @@ class RequestHandle:
     prefill_instance: Optional[str] = None
     decode_instance: Optional[str] = None
     epoch: int = 0  # bumped when the request is re-run elsewhere: stale handoffs see it and stop
+    # False: the queue carries only the final event; each token's time is still in token_times (a
+    # replay on a simulated device: millions of tokens, and a wake-up of the consumer for each cost
+    # a tenth of the run)
+    stream_tokens: bool = True
     # echo (SamplingParams.prompt_logprobs): entry i is the prompt token at position i + 1's; all
     # of them are here before the first token's event (the step that samples it scores the last rows)
     prompt_logprobs: list = field(default_factory=list)

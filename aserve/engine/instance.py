@@ -246,6 +246,10 @@ class Instance:
         """Decode: blocks for ``req``'s prompt KV before it is sent; None: not now."""
         return self._as(DecodeScheduler).allocate_incoming(req)
 
+    def kv_room(self) -> int:
+        """Decode: blocks a hand-over may reserve now (-1: none, a preempted request waits)."""
+        return self._as(DecodeScheduler).incoming_room()
+
     def accept_kv(self, req: Request) -> None:
         """Decode: the KV arrived in the reserved blocks; the request joins the queue."""
         self._as(DecodeScheduler).accept_incoming(req)

@@ -78,6 +78,10 @@ class ReplayProgress:
         if self.bar and self.task is not None:
             self.bar.advance(self.task)
 
+    def tokens(self, n: int) -> None:
+        if self.bar and self.task is not None and n:
+            self.bar.advance(self.task, n)
+
     def request_done(self) -> None:
         self.done += 1
         if self.bar and self.task is not None:
@@ -154,10 +158,13 @@ class _Sampler:
 async def _cluster_request(cluster, i: int, req: TraceRequest, ids: list[int], base: float,
                            progress: ReplayProgress, cap: int) -> RequestRecord:
     arrival = cluster.clock.now() - base
+    # on a virtual clock (a simulated device) only the final event is streamed: the bar advances
+    # a request at a time there, and the run skips a wake-up per token
+    per_token = getattr(asyncio.get_running_loop(), "clock", None) is None
     try:
         # the trace's output length is exactly what will be generated: the oracle predictor's answer
         handle = cluster.submit(ids, sampling_for(req, cap), request_id=f"trace-{i}", prompt_text=req.prompt_text or "",
-                                oracle_length=req.output_tokens)
+                                oracle_length=req.output_tokens, stream_tokens=per_token)
     except ValueError as e:  # PromptTooLong and bad parameters
         progress.request_done()
         return RequestRecord(i, len(ids), req.output_tokens, arrival, "failed", error=str(e))
@@ -168,6 +175,8 @@ async def _cluster_request(cluster, i: int, req: TraceRequest, ids: list[int], b
                 progress.token()
     except asyncio.CancelledError:
         cancelled = True  # stream()'s finally aborted the request and freed its blocks
+    if not per_token:
+        progress.tokens(len(handle.token_times))
     progress.request_done()
     r = handle.request
     status = "aborted" if cancelled or r.finish_reason == "abort" else "failed" if r.finish_reason == "error" else "completed"
