@@ -22,6 +22,13 @@ that comes later), is dropped: the request goes on with ``predicted = None`` (wh
 gives) and the fallback is counted by reason (timeout | error | unknown: the oracle has no true
 length). Nothing here is ever an error for the client.
 
+On a virtual clock (a simulated device, aserve/engine/virtual_time.py) a thread's work would
+take no simulated time while the clock jumps ahead of it (every sklearn prediction of a simulated
+replay timed out at 3 s of virtual time): there the predictor thread is modelled instead. Its
+work runs on the loop when it is asked for, is timed, and its answer lands on the virtual clock
+that long after the thread's earlier work ends (one thread: predictions and learning queue up as
+they would). The served prefill's features (``feed``) are answered that long after, too.
+
 Thread rule: jobs, counters and requests change on the event-loop thread only. The predictor
 thread reads a request's fixed fields (ids, text, sampling) and builds its own view of it, and
 reads a job's ``settled`` flag to skip predictions nobody waits for any more.
@@ -31,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -124,6 +132,8 @@ class OnlinePredictor:
                        **{f"fallback_{r}": 0 for r in FALLBACK_REASONS}}
         self.last_error: Optional[str] = None
         self.feature_layer = 0  # > 0: features from the served prefill after this many layers
+        self._virtual = False  # the loop runs on a virtual clock: the predictor thread is modelled
+        self._thread_free_at = 0.0  # there: when the modelled thread has done what it was given
 
     def load(self, decode: Optional[Callable[[list[int]], str]] = None, served_model: Optional[tuple] = None,
              at_handoff: bool = False) -> None:
@@ -157,6 +167,7 @@ class OnlinePredictor:
         if self.backend is None or req.request_id in self._jobs:
             return
         self._loop = asyncio.get_running_loop()
+        self._virtual = getattr(self._loop, "clock", None) is not None
         job = _Job(req, self._loop.time(), self._loop.create_future())
         self._jobs[req.request_id] = job
         view = self._view_read_as_trained(req) if self.feature_layer else None
@@ -193,16 +204,25 @@ class OnlinePredictor:
             if job is None or not job.from_prefill or job.future.done():
                 continue  # a re-run's second prefill, or nobody waits
             job.start = self._loop.time()  # the prediction starts when its input exists
+            began = time.perf_counter()
             try:
                 outcome = _Outcome(self.backend.predict_features(vec.numpy()[None, :], [job.view])[0])
                 self.counts["from_prefill"] += 1
             except Exception as e:  # noqa: BLE001
                 outcome = _failure(e)
-            self._answer(job, outcome, self._loop.time())
+            if self._virtual:  # the head's time, which on a real device the loop spends here
+                at = job.start + time.perf_counter() - began
+                self._loop.call_at(at, self._answer, job, outcome, at)
+            else:
+                self._answer(job, outcome, self._loop.time())
 
     def _flush(self) -> None:
         while self._queue:
             batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
+            if self._virtual:
+                result, error, at = self._as_on_thread(self._predict_batch, batch)
+                self._loop.call_at(at, self._answer_batch, batch, result, error)
+                continue
             try:
                 done = self.backend.run_async(self._predict_batch, batch)
             except RuntimeError as e:  # the thread is shut down (the cluster is stopping)
@@ -230,6 +250,19 @@ class OnlinePredictor:
         for i, rng in zip(usable, self.backend.predict([views[i] for i in usable]) if usable else []):
             outcomes[i] = _Outcome(rng)
         return outcomes, views
+
+    def _as_on_thread(self, fn, *args):
+        """Virtual clock: ``fn(*args)`` now, on the loop, timed; (its result, its error, the
+        virtual time the predictor thread would have finished it: after its earlier work, as long
+        as it took here)."""
+        began = time.perf_counter()
+        try:
+            result, error = fn(*args), None
+        except Exception as e:  # noqa: BLE001 - read by the caller, as a thread's future would give it
+            result, error = None, e
+        start = max(self._loop.time(), self._thread_free_at)
+        self._thread_free_at = start + time.perf_counter() - began
+        return result, error, self._thread_free_at
 
     def _to_loop(self, fn, *args) -> None:
         try:
@@ -314,6 +347,10 @@ class OnlinePredictor:
                 self._to_counts(self._observe(req, req, actual))
             return
         view = job.view if job is not None else None
+        if self._virtual:
+            error, _, at = self._as_on_thread(self._observe, req, view, actual)
+            self._loop.call_at(at, self._to_counts, error)
+            return
         try:
             done = self.backend.run_async(self._observe, req, view, actual)
         except RuntimeError:  # the thread is shut down (the cluster is stopping)
