@@ -59,6 +59,11 @@ def test_keep_or_hand_over():
     assert not PLACE.keep_local(load("p0", "prefill", decodes=6), [load("d1", "decode", decodes=2)], 4)
     # no decode instance has room for its KV: keep it rather than let it wait
     assert PLACE.keep_local(load("p0", "prefill", decodes=9), [load("d1", "decode", decodes=0, free=3)], 4)
+    # --keep-margin 1: one decode more than the least busy decode instance is enough to hand over
+    eager = Placement(PlacementConfig(keep_margin=1))
+    assert eager.keep_local(load("p0", "prefill", decodes=2), [load("d1", "decode", decodes=2)], 4)
+    assert not eager.keep_local(load("p0", "prefill", decodes=3), [load("d1", "decode", decodes=2)], 4)
+
 
 
 def test_placement_config_names_the_bad_field():
@@ -173,3 +178,20 @@ def test_an_instance_keeps_its_role_for_its_dwell():
 def test_flip_band_is_checked():
     with pytest.raises(ValueError, match="band"):
         RatioFlipPolicy(band=0.7)
+
+
+def test_keep_margin_from_the_command_line_to_the_placement():
+    import argparse
+
+    from aserve.cluster.cluster import Cluster
+    from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config
+    from aserve.config import ClusterConfig, EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    add_cluster_args(p)
+    cfg = cluster_config(p.parse_args(["--mode", "adaptive", "--keep-margin", "1"]))
+    assert cfg.keep_margin == 1 and cluster_config(p.parse_args(["--mode", "adaptive"])).keep_margin == 2
+    assert Cluster(EngineConfig(), cfg).placement.config.keep_margin == 1
+    with pytest.raises(ValueError, match="keep_margin must be >= 0, got -1"):
+        ClusterConfig(keep_margin=-1)

@@ -67,7 +67,7 @@ class Cluster:
         self.predictor = OnlinePredictor(cfg)
         self.placement = Placement(PlacementConfig(
             engine.max_num_batched_tokens, cfg.placement_step_s, cfg.placement_prefill_token_s,
-            cfg.placement_decode_row_s, cfg.interference))
+            cfg.placement_decode_row_s, cfg.interference, keep_margin=cfg.keep_margin))
         self.placements = {"prefill": 0, "decode": 0, "kept": 0}  # adaptive: where prompts went
         self.stops: Optional[StopChecker] = None
         self.loop_lag_s = 0.0

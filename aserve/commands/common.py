@@ -113,6 +113,9 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
             ("--interference", 0.3, "adaptive placement: weight of the running decodes' slowdown against a "
                                     "prompt's own wait (scheduling/placement.py)")):
         g.add_argument(flag, type=float, default=default, help=what)
+    g.add_argument("--keep-margin", type=int, default=2,
+                   help="adaptive placement: a prefill instance keeps a request it prefilled and decodes it unless it "
+                        "runs this many decodes more than the least busy decode instance (scheduling/placement.py)")
     g.add_argument("--no-flip-migrate", action="store_true",
                    help="adaptive: a decode instance turning prefill keeps its decodes instead of moving them out "
                         "by KV migration")
@@ -217,7 +220,8 @@ def cluster_config(a: argparse.Namespace):
                          monitor_interval_s=a.monitor_interval, flip=a.flip, flip_window_s=a.flip_window,
                          flip_idle_s=a.flip_idle, flip_band=a.flip_band, flip_dwell_s=a.flip_dwell,
                          flip_cooldown_s=a.flip_cooldown, flip_migrate=not a.no_flip_migrate,
-                         interference=a.interference, **placement_costs(a), on_failure=a.on_failure,
+                         interference=a.interference, keep_margin=a.keep_margin, **placement_costs(a),
+                         on_failure=a.on_failure,
                          transfer_timeout_s=a.transfer_timeout,
                          transfer_retries=a.transfer_retries, on_transfer_failure=a.on_transfer_failure,
                          lease_s=a.lease, device_share=a.device_share, backend=a.backend,
