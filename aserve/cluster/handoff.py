@@ -35,8 +35,8 @@ from aserve.config import ClusterConfig
 from aserve.engine.instance import Instance
 from netemu import KVEmulation, KVLink, parse_link
 from netemu.transfer import TransferError
-from scheduling.clock import Clock
 from scheduling.block_manager import blocks_needed
+from scheduling.clock import Clock
 from scheduling.dispatch import NoDecodeInstance
 from scheduling.request import Request
 
