@@ -15,6 +15,8 @@ import argparse
 import json
 import os
 
+from side_by_side import pct_diff  # this folder is on the path when a script here runs
+
 WORKLOADS = ("LPLD", "LPHD", "HPLD", "HPHD", "Mixed")
 SYSTEMS = ("ts-roce", "ts-nvlink", "vllm-1gpu", "vllm-2gpu", "sarathi-2gpu")
 # §5.1 and Figure 16, TetriInfer (TS-RoCE) against vLLM: TTFT, JCT, perf/$ ("n/g": not given)
@@ -33,8 +35,8 @@ def rows(workload: str, report: dict) -> list[str]:
     if missing:
         raise SystemExit(f"{workload}: the report has no {', '.join(missing)} (systems: {', '.join(systems)})")
     base, ts = systems["vllm-1gpu"], systems["ts-roce"]
-    pct = lambda a, b: f"{100 * (a - b) / b:+.0f}%"  # noqa: E731
-    versus = (f"{pct(ts['ttft']['mean'], base['ttft']['mean'])} / {pct(ts['jct']['mean'], base['jct']['mean'])}"
+    pct = lambda key: f"{pct_diff(base[key]['mean'], ts[key]['mean']):+.0f}%"  # noqa: E731
+    versus = (f"{pct('ttft')} / {pct('jct')}"
               f" / {perf(ts) / perf(base):.2f}x")
     out = []
     for i, name in enumerate(SYSTEMS):
