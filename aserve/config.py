@@ -111,7 +111,7 @@ class ClusterConfig:
     placement_prefill_token_s: float = 1e-3  # seconds a prompt token adds to a step
     placement_decode_row_s: float = 1e-3  # seconds a decode row adds to a step
     interference: float = 0.3  # weight of running decodes' slowdown against a prompt's wait
-    keep_margin: int = 2  # a prefill instance keeps a prefilled request unless it decodes this many more
+    keep_margin: Optional[int] = None  # None: keep unless a hand-over pays (priced); N: unless it decodes N more
     on_failure: str = "rerun"  # rerun | error: what happens to a failed instance's requests
     transfer_timeout_s: float = 30.0  # a KV transfer slower than this is retried elsewhere
     transfer_retries: int = 2  # retries on other decode instances before on_transfer_failure applies
@@ -163,7 +163,7 @@ class ClusterConfig:
             raise ValueError(f"bad device_share {self.device_share!r}: shared or dedicated")
         if self.transfer_retries < 0:
             raise ValueError(f"transfer_retries must be >= 0, got {self.transfer_retries}")
-        if self.keep_margin < 0:
+        if self.keep_margin is not None and self.keep_margin < 0:
             raise ValueError(f"keep_margin must be >= 0, got {self.keep_margin}")
         kind, sep, address = self.backend.partition(":")
         if kind not in DEVICE_BACKENDS or (sep and (kind != "ray" or not address.strip())):

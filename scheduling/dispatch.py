@@ -37,6 +37,15 @@ def predicted_max_output(request: Request) -> int:
     return max(1, bound)
 
 
+def expected_output(request: Request) -> float:
+    """The output a cost estimate expects: the predicted bucket's middle, else ``max_tokens``
+    (where nothing is predicted, the bound is all there is); at least 1."""
+    bound = request.sampling.max_tokens
+    if request.predicted is not None:
+        bound = min(bound, (request.predicted.lo + request.predicted.hi - 1) / 2)
+    return max(1.0, bound)
+
+
 def is_heavy(request: Request, heavy_threshold: int) -> bool:
     """A heavy decode: predicted output upper bound above ``heavy_threshold`` tokens."""
     return predicted_max_output(request) > heavy_threshold

@@ -13,7 +13,9 @@ only where a finished prompt's KV goes and how the global placement ranks the in
 
 A step is Sarathi-Serve's stall-free iteration over a decode instance's queues: every running
 decode first, one row each, then the next chunks of admitted prompts in admission order within
-``token_budget - decodes`` (at least ``min_chunk``, so a prompt always moves on). The budget is
+``token_budget - decodes`` (at least ``min_chunk``, so a prompt always moves on). A step with no
+decode in it has no token gap to protect, so its prompts run whole, as vLLM's prompt step runs
+them: in admission order while they fit the budget, one longer than the budget alone. The budget is
 the one ``aserve profile token-budget`` (or the measured cost model) finds for the TBT SLO, so
 a decode never waits for a whole prompt. Admission and preemption are the decode scheduler's:
 greedy, preempting the newest running request (a prompt mid-way is recomputed from its start).
@@ -21,7 +23,7 @@ greedy, preempting the newest running request (a prompt mid-way is recomputed fr
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Collection, Iterator, Optional
 
 from scheduling.block_manager import BlockManager
 from scheduling.clock import Clock
@@ -35,6 +37,7 @@ class HybridConfig:
     token_budget: int = 512  # rows of one step, decodes included (Sarathi's budget)
     min_chunk: int = 16  # prompt tokens a step carries at least while a prompt is admitted
     hand_over: bool = False  # prefill role: a finished prompt waits in finished_prefills
+    whole_prompts_when_idle: bool = True  # a step without decodes runs prompts whole (no gap to protect)
 
     def __post_init__(self):
         if self.token_budget < 1 or self.min_chunk < 1:
@@ -76,13 +79,20 @@ class HybridScheduler(DecodeScheduler):
         return swap_in
 
     def _rows(self) -> tuple:
-        """Decodes one row each; prompt chunks share what the budget leaves, in admission order."""
-        left = self.hybrid.token_budget - sum(_left(r) == 1 for r in self._running)
-        left = max(left, self.hybrid.min_chunk)
+        """Decodes one row each; prompt chunks share what the budget leaves, in admission order.
+        With no decode in the step there is no token gap to protect: prompts run whole, as many
+        as the budget holds, and one longer than the budget alone (vLLM's prompt step)."""
+        decodes = sum(_left(r) == 1 for r in self._running)
+        whole = self.hybrid.whole_prompts_when_idle and decodes == 0
+        left = max(self.hybrid.token_budget - decodes, self.hybrid.min_chunk)
         rows = []
         for r in self._running:
             n = _left(r)
-            if n > 1:  # a prompt (or a recompute): its next chunk, if the budget has room
+            if whole:  # every running request is a prompt here: whole, while they fit
+                if rows and n > left:
+                    break
+                left -= n
+            elif n > 1:  # a prompt (or a recompute): its next chunk, if the budget has room
                 n = min(n, left)
                 left -= n
                 if n <= 0:
@@ -134,16 +144,27 @@ class HybridScheduler(DecodeScheduler):
         self._migrating.update(ids)
         return ids
 
-    def take_unstarted(self) -> list[Request]:
-        """Remove and return the waiting prompts no step has touched (they hold no KV)."""
-        planned = set(self._inflight.num_scheduled_tokens) if self._inflight is not None else set()
-        taken = [r for r in self._waiting if not r.block_ids and r.num_computed_tokens == 0
-                 and not r.output_token_ids and r.request_id not in planned]
+    def unstarted(self) -> Iterator[Request]:
+        """The waiting prompts no step has touched (they hold no KV), oldest first; lazily, so a
+        caller that wants the first few does not walk a long queue."""
+        planned = self._inflight.num_scheduled_tokens if self._inflight is not None else {}
+        return (r for r in self._waiting if not r.block_ids and r.num_computed_tokens == 0
+                and not r.output_token_ids and r.request_id not in planned)
+
+    def take_unstarted(self, request_ids: Optional[Collection[str]] = None) -> list[Request]:
+        """Remove and return the unstarted prompts (those of ``request_ids`` only, if given)."""
+        taken = [r for r in self.unstarted() if request_ids is None or r.request_id in request_ids]
         for r in taken:
             self._waiting.remove(r)
             del self._requests[r.request_id]
             r.status = Status.WAITING
         return taken
+
+    @property
+    def num_started_tokens(self) -> int:
+        """Queued prompt tokens ahead of every unstarted prompt (the running prompts' rest, and
+        recomputes)."""
+        return self.num_queued_tokens - sum(_left(r) for r in self.unstarted())
 
     def _retire(self, request_id: str) -> Request:
         self._migrating.discard(request_id)

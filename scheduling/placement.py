@@ -15,16 +15,30 @@ and the prompt goes to the cheapest instance (ties: prefill instances first, the
 prompt beside an idle prefill instance goes there (no decodes to slow); a heavy one goes to a
 decode instance only when the prefill side's queue is long enough that waiting for it costs more
 than the decodes' slowdown. ``step_s``, ``decode_row_s`` and ``prefill_token_s`` come from the
-device's measured cost model (``aserve profile device``; a simulated device's profile).
+device's measured cost model (``aserve profile device``; a simulated device's profile). The
+same cost decides, until a prompt starts, whether another instance takes it over (the cluster's
+late binding: ``cost_s`` here, a step less, against ``cost_s`` with only the work ahead of it
+where it waits).
 
 ``keep_local``: a prefill instance keeps the request it just prefilled and decodes it itself when
-no decode instance has room for it (its KV would otherwise sit idle, waiting), or when it runs
-fewer than ``keep_margin`` decodes more than the least busy decode instance: a hand-over pays
-only where it evens out the decode batches, and idle prefill capacity serves decodes (LPHD).
+no decode instance has room for it (its KV would otherwise sit idle, waiting), or when a
+hand-over would not pay. By default (``keep_margin`` None) that is priced with the same costs:
 
-The defaults (``interference`` 0.3, ``keep_margin`` 2) are the best of a sweep over the five
-workloads on ``sim:local`` (docs/BENCHMARKS.md, "Adaptive"): a weight of 1 kept heavy prompts
-off the decode instance at the price of TTFT (HPLD 3.9 s against coupled 2.6 s), 0 cost JCT.
+    work(i)    = min(queued_i, share_i) · prefill_token_s    (prompt seconds in each of its steps)
+    gain(d)    = L · (2 · (decodes_p - decodes_d) · decode_row_s + work(p) - work(d))
+    hand over to some d with room when gain(d) > step_s(d)   (the token gap a move costs)
+
+where L is the request's expected output (its predicted bucket's middle, else ``max_tokens``):
+each of its tokens comes a row and a prompt share sooner where it moves, and its neighbours
+there pay the row it no longer adds here. Where a row costs little against a step (a V100) the
+rule moves whatever evens out the batches or leaves a prefill instance's prompt chunks; where a
+row costs (this CPU) it keeps unless the batches differ. An integer ``keep_margin`` (``--keep-
+margin``) keeps instead while the instance runs fewer than that many decodes more than the least
+busy decode instance: round 1's rule, kept for comparison.
+
+The default ``interference`` 0.3 is the best of a sweep over the five workloads on ``sim:local``
+(docs/BENCHMARKS.md, "Adaptive"): a weight of 1 kept heavy prompts off the decode instance at
+the price of TTFT (HPLD 3.9 s against coupled 2.6 s), 0 cost JCT.
 """
 from __future__ import annotations
 
@@ -59,13 +73,13 @@ class PlacementConfig:
     decode_row_s: float = 1e-3  # seconds a decode row adds to a step
     interference: float = 0.3  # weight of the decodes' slowdown against the prompt's own wait
     min_chunk: int = 16  # prompt tokens a hybrid step carries at least
-    keep_margin: int = 2  # a prefill instance keeps a prefilled request unless it decodes this many more
+    keep_margin: Optional[int] = None  # None: priced (keep_local); N: keep unless it decodes N more
 
     def __post_init__(self):
         for name in ("step_s", "prefill_token_s", "decode_row_s", "interference"):
             if getattr(self, name) < 0:
                 raise ValueError(f"placement {name} must be >= 0, got {getattr(self, name)}")
-        if self.token_budget < 1 or self.min_chunk < 1 or self.keep_margin < 0:
+        if self.token_budget < 1 or self.min_chunk < 1 or (self.keep_margin is not None and self.keep_margin < 0):
             raise ValueError(f"placement token_budget and min_chunk must be >= 1, got {self}")
 
 
@@ -98,13 +112,34 @@ class Placement:
             return None
         return min(fit, key=lambda ld: (self.cost_s(ld, num_prompt_tokens), ld.role != "prefill", ld.instance_id))
 
-    def keep_local(self, src: EntryLoad, decode_loads: Sequence[EntryLoad], need_blocks: int) -> bool:
+    def prompt_work_s(self, load: EntryLoad) -> float:
+        """Prompt seconds in each of the instance's coming steps (its queued chunks, within its share)."""
+        c = self.config
+        share = max(c.min_chunk, c.token_budget - load.num_decodes)
+        return min(load.queued_tokens, share) * c.prefill_token_s
+
+    def step_time_s(self, load: EntryLoad) -> float:
+        """Seconds of the instance's next step as it stands: fixed, a row a decode, its prompt share."""
+        return self.config.step_s + load.num_decodes * self.config.decode_row_s + self.prompt_work_s(load)
+
+    def handover_gain_s(self, src: EntryLoad, dst: EntryLoad, expected_tokens: float) -> float:
+        """Seconds the request and its neighbours save over its decode if it moves from ``src``
+        to ``dst``, less the token gap the move costs (one of ``dst``'s steps)."""
+        c = self.config
+        per_token = (2 * (src.num_decodes - dst.num_decodes) * c.decode_row_s
+                     + self.prompt_work_s(src) - self.prompt_work_s(dst))
+        return expected_tokens * per_token - self.step_time_s(dst)
+
+    def keep_local(self, src: EntryLoad, decode_loads: Sequence[EntryLoad], need_blocks: int,
+                   expected_tokens: float = 1.0) -> bool:
         """Whether a prefill instance keeps a request it prefilled (``need_blocks``: its prompt
-        plus predicted output) and decodes it itself: when no decode instance has the room (its
-        KV would sit idle here, waiting for some), or when it runs fewer than ``keep_margin``
-        decodes more than the least busy decode instance. A hand-over costs a copy and a token
-        gap and only pays when it evens out the decode batches; idle prefill capacity serves
-        decodes (LPHD), and a prefill instance whose prompts keep it busy keeps few."""
-        if not any(ld.free_blocks >= need_blocks for ld in decode_loads):
+        plus predicted output; ``expected_tokens``: its expected output) and decodes it itself:
+        when no decode instance has the room (its KV would sit idle here, waiting for some), or
+        when no hand-over pays (module docstring). With an integer ``keep_margin``: unless it
+        runs that many decodes more than the least busy decode instance."""
+        room = [ld for ld in decode_loads if ld.free_blocks >= need_blocks]
+        if not room:
             return True
-        return all(src.num_decodes < ld.num_decodes + self.config.keep_margin for ld in decode_loads)
+        if self.config.keep_margin is not None:
+            return all(src.num_decodes < ld.num_decodes + self.config.keep_margin for ld in decode_loads)
+        return all(self.handover_gain_s(src, ld, expected_tokens) <= 0 for ld in room)

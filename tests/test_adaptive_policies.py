@@ -54,9 +54,10 @@ def test_a_decode_instance_without_room_is_never_chosen():
 def test_keep_or_hand_over():
     # an idle prefill instance with fewer decodes than the decode instance keeps what it prefilled
     assert PLACE.keep_local(load("p0", "prefill", decodes=1), [load("d1", "decode", decodes=5)], 4)
-    # within the margin (2) of the least busy decode instance: keep; far above it: hand over
-    assert PLACE.keep_local(load("p0", "prefill", decodes=3), [load("d1", "decode", decodes=2)], 4)
-    assert not PLACE.keep_local(load("p0", "prefill", decodes=6), [load("d1", "decode", decodes=2)], 4)
+    # --keep-margin 2: within 2 of the least busy decode instance: keep; far above it: hand over
+    margin2 = Placement(PlacementConfig(keep_margin=2))
+    assert margin2.keep_local(load("p0", "prefill", decodes=3), [load("d1", "decode", decodes=2)], 4)
+    assert not margin2.keep_local(load("p0", "prefill", decodes=6), [load("d1", "decode", decodes=2)], 4)
     # no decode instance has room for its KV: keep it rather than let it wait
     assert PLACE.keep_local(load("p0", "prefill", decodes=9), [load("d1", "decode", decodes=0, free=3)], 4)
     # --keep-margin 1: one decode more than the least busy decode instance is enough to hand over
@@ -64,6 +65,28 @@ def test_keep_or_hand_over():
     assert eager.keep_local(load("p0", "prefill", decodes=2), [load("d1", "decode", decodes=2)], 4)
     assert not eager.keep_local(load("p0", "prefill", decodes=3), [load("d1", "decode", decodes=2)], 4)
 
+
+
+def test_keep_or_hand_over_priced():
+    # keep_margin None: hand over when the request and its neighbours save more than a token gap
+    priced = Placement(PlacementConfig(token_budget=256, step_s=0.01, prefill_token_s=1e-3, decode_row_s=1e-3))
+    assert priced.config.keep_margin is None
+    p, d = load("p0", "prefill", decodes=3), load("d1", "decode", decodes=3)
+    assert priced.keep_local(p, [d], 4, expected_tokens=500)  # nothing to even out: the move only costs
+    p4, d2 = load("p0", "prefill", decodes=4), load("d1", "decode", decodes=2)
+    # 2 rows apart: each token 2 rows sooner for it, 2 fewer on p0's others: 4 ms a token
+    assert priced.handover_gain_s(p4, d2, 100) == pytest.approx(100 * 4e-3 - (0.01 + 2e-3))
+    assert not priced.keep_local(p4, [d2], 4, expected_tokens=100)
+    assert priced.keep_local(p4, [d2], 4, expected_tokens=2)  # a short decode does not pay the gap
+    # a prefill instance with prompts queued hands over even to a busier decode instance: its
+    # decodes would ride in steps carrying up to 255 prompt tokens (255 ms) each
+    busy = load("p0", "prefill", queued=1000, decodes=1)
+    assert not priced.keep_local(busy, [load("d1", "decode", decodes=3)], 4, expected_tokens=50)
+    # only to a decode instance with room; none: keep
+    assert priced.keep_local(busy, [load("d1", "decode", decodes=3, free=3)], 4, expected_tokens=50)
+    # where a row costs nothing and no prompt waits, a move saves nothing: keep
+    free_rows = Placement(PlacementConfig(step_s=0.04, prefill_token_s=2e-4, decode_row_s=0.0))
+    assert free_rows.keep_local(load("p0", "prefill", decodes=6), [load("d1", "decode", decodes=1)], 4, 300)
 
 
 def test_placement_config_names_the_bad_field():
@@ -102,6 +125,22 @@ def test_hybrid_chunks_a_prompt_beside_decodes_within_the_budget():
                 s.finish(r, "length")
     assert sizes[:2] == [61, 61] and sum(sizes) == 150  # 64 - 3 decodes, then the rest
     assert "long" in s.running_ids and not s.finished_prefills  # decode role: it stays and decodes here
+
+
+def test_hybrid_runs_prompts_whole_when_no_decode_rides_in_the_step():
+    s = HybridScheduler(BlockManager(200, 16), DecodeConfig(), HybridConfig(token_budget=64))
+    s.add_request(req("long", 150))  # longer than the budget: alone and whole (vLLM's prompt step)
+    s.add_request(req("a", 30))
+    s.add_request(req("b", 30))
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"long": 150}
+    step(s, plan)
+    # now "long" decodes: the prompts behind it are chunked within 64 - 1 beside it
+    assert s.schedule().num_scheduled_tokens == {"long": 1, "a": 30, "b": 30}
+    chunked = HybridScheduler(BlockManager(200, 16), DecodeConfig(),
+                              HybridConfig(token_budget=64, whole_prompts_when_idle=False))
+    chunked.add_request(req("long", 150))
+    assert chunked.schedule().num_scheduled_tokens == {"long": 64}
 
 
 def test_prefill_role_hands_over_keeps_or_releases_and_blocks_come_back():
@@ -191,7 +230,11 @@ def test_keep_margin_from_the_command_line_to_the_placement():
     add_engine_args(p)
     add_cluster_args(p)
     cfg = cluster_config(p.parse_args(["--mode", "adaptive", "--keep-margin", "1"]))
-    assert cfg.keep_margin == 1 and cluster_config(p.parse_args(["--mode", "adaptive"])).keep_margin == 2
-    assert Cluster(EngineConfig(), cfg).placement.config.keep_margin == 1
+    assert cfg.keep_margin == 1 and Cluster(EngineConfig(), cfg).placement.config.keep_margin == 1
+    for args in ([], ["--keep-margin", "auto"]):  # priced by default
+        assert cluster_config(p.parse_args(["--mode", "adaptive", *args])).keep_margin is None
+    for bad in ("-1", "two", "1.5"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--mode", "adaptive", "--keep-margin", bad])
     with pytest.raises(ValueError, match="keep_margin must be >= 0, got -1"):
         ClusterConfig(keep_margin=-1)

@@ -123,3 +123,22 @@ def test_adaptive_sim_replay_prefills_on_both_roles_and_returns_every_block(tmp_
     for inst in s["instances"]:
         assert inst["free_blocks_end"] == inst["free_blocks_start"], inst
     assert s["padding_tokens"] == 0 and s["flips_per_min"] == 0
+
+
+def test_adaptive_late_binding_moves_unstarted_prompts_to_an_instance_with_room(tmp_path):
+    """Heavy prompts in a burst on 1P+1D adaptive with a KV pool of a few prompts (HPLD at
+    saturation): after the first, the decode instance has no room for them when they arrive, so
+    they queue on the prefill instance; as its own requests end it takes the oldest unstarted
+    ones (``placements.taken``) instead of leaving the prefill instance every prompt. Nothing is
+    lost."""
+    trace = [{"timestamp": 0.005 * i, "prompt_tokens": 700, "output_tokens": 3} for i in range(12)]
+    report = replay_sim(tmp_path, trace, "--mode", "adaptive", "--prefill", "1", "--decode", "1",
+                        "--max-num-batched-tokens", "256", "--predictor", "none", "--kv-cache-gb", "0.06")
+    (s,) = report["systems"].values()
+    placed = s["placements"]
+    assert s["completed"] == 12 and placed["prefill"] + placed["decode"] == 12
+    assert placed["decode"] == 1 and placed["taken"] >= 4, placed  # placed once there, taken later
+    by_role = {i["role"]: i for i in s["instances"]}
+    assert by_role["decode"]["prefill_tokens"] >= 5 * 699  # its own prompt and those it took
+    for inst in s["instances"]:
+        assert inst["free_blocks_end"] == inst["free_blocks_start"], inst

@@ -11,8 +11,11 @@ In ``coupled`` mode every instance does both phases with its batching policy and
 scheduler picks the least-loaded one. In ``adaptive`` mode every instance can prefill in chunks
 beside its decodes (scheduling/hybrid.py): the global scheduler (scheduling/placement.py) sends a
 prompt to the instance where it costs least, a decode instance included (its KV then never
-moves), and a prefill instance keeps decoding what it prefilled unless a decode instance is
-clearly less busy (``Placement.keep_local``). Everything here runs on the event-loop thread.
+moves), and a prefill instance keeps decoding what it prefilled unless moving it pays
+(``Placement.keep_local``). The placement is late-bound: after each step, the instance that
+stepped takes the oldest prompts others have not started while they cost less there (a decode
+instance that had no room for them when they arrived may have it now). Everything here runs on
+the event-loop thread.
 
 The cluster is every instance's ``InstanceHost``: instances report once a step (``on_step``) or
 when they fail (``on_failure``), and the cluster reaches them through their façade. Lifecycle
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+from dataclasses import replace
 from typing import AsyncIterator, Optional
 
 from aserve.cluster.handoff import Handoff
@@ -40,8 +44,9 @@ from aserve.engine.instance import Instance, StepReport
 from aserve.engine.policies import Policies
 from aserve.engine.stops import StopChecker
 from aserve.predict.online import OnlinePredictor
+from scheduling.block_manager import blocks_needed
 from scheduling.clock import Clock, MonotonicClock
-from scheduling.dispatch import predicted_total_blocks
+from scheduling.dispatch import expected_output, predicted_total_blocks
 from scheduling.hybrid import HybridScheduler
 from scheduling.placement import EntryLoad, Placement, PlacementConfig
 from scheduling.request import Request, SamplingParams
@@ -68,7 +73,7 @@ class Cluster:
         self.placement = Placement(PlacementConfig(
             engine.max_num_batched_tokens, cfg.placement_step_s, cfg.placement_prefill_token_s,
             cfg.placement_decode_row_s, cfg.interference, keep_margin=cfg.keep_margin))
-        self.placements = {"prefill": 0, "decode": 0, "kept": 0}  # adaptive: where prompts went
+        self.placements = {"prefill": 0, "decode": 0, "kept": 0, "taken": 0}  # adaptive: where prompts went
         self.stops: Optional[StopChecker] = None
         self.loop_lag_s = 0.0
         self.started = False
@@ -316,15 +321,50 @@ class Cluster:
         chosen = self.placement.choose(self.entry_loads(), req.num_tokens)
         if chosen is None:
             return False
-        inst = self.instances[chosen.instance_id]
+        self._assign(handle, self.instances[chosen.instance_id])
+        self.placements[chosen.role] += 1
+        return True
+
+    def _assign(self, handle: RequestHandle, inst: Instance) -> None:
         handle.instance_id, handle.phase = inst.id, "prefill"
         if inst.role == "prefill":
-            handle.prefill_instance = inst.id
+            handle.prefill_instance, handle.decode_instance = inst.id, None
         else:
-            handle.decode_instance = inst.id
-        self.placements[inst.role] += 1
-        inst.submit(req)
-        return True
+            handle.prefill_instance, handle.decode_instance = None, inst.id
+        inst.submit(handle.request)
+
+    def _late_bind(self, taker: Instance) -> None:
+        """Adaptive: a prompt is placed where it costs least when it arrives, but room and queues
+        change after (a decode instance without the blocks for it then may have them now). The
+        instance that just stepped takes the oldest prompts other instances have not started
+        while each costs less here (``Placement.cost_s``, a step less) than where it waits."""
+        if taker.state != "active" or not isinstance(taker.scheduler, HybridScheduler):
+            return
+        free = taker.blocks.num_free  # first the cheap test: room for some other queue's oldest prompt
+        if not any(isinstance(o.scheduler, HybridScheduler) and o is not taker and o.state == "active"
+                   and _fits(next(o.scheduler.unstarted(), None), free, o.blocks.block_size)
+                   for o in self.instances.values()):
+            return
+        loads = {ld.instance_id: ld for ld in self.entry_loads()}
+        mine = loads.get(taker.id)
+        for other in self.instances.values():
+            there = loads.get(other.id)
+            if other is taker or there is None or not isinstance(other.scheduler, HybridScheduler):
+                continue
+            ahead, moving = other.scheduler.num_started_tokens, []
+            for req in other.scheduler.unstarted():
+                need, n = blocks_needed(req.num_tokens + 1, mine.block_size), req.num_tokens
+                waits = self.placement.cost_s(replace(there, queued_tokens=ahead), n)
+                if mine.free_blocks < need or self.placement.cost_s(mine, n) + self.placement.config.step_s >= waits:
+                    break
+
+                moving.append(req.request_id)
+                mine = replace(mine, queued_tokens=mine.queued_tokens + n, free_blocks=mine.free_blocks - need)
+            for req in other.take_unstarted(moving):
+                handle = self.requests.get(req.request_id)
+                if handle is not None:
+                    self._assign(handle, taker)
+                    self.placements["taken"] += 1
 
     def _keeps(self, instance: Instance, req: Request) -> bool:
         """Adaptive: whether a prefill instance keeps a prompt it just prefilled and decodes it
@@ -336,7 +376,8 @@ class Cluster:
         if src is None:
             return False
         need = predicted_total_blocks(req, src.block_size)
-        return self.placement.keep_local(src, [ld for ld in loads.values() if ld.role == "decode"], need)
+        return self.placement.keep_local(src, [ld for ld in loads.values() if ld.role == "decode"], need,
+                                         expected_output(req))
 
     def _check_capacity(self, req: Request) -> None:
         """Refuse, before the request enters the table, what no instance's KV pool could ever hold."""
@@ -400,6 +441,8 @@ class Cluster:
                 continue
             handle.phase = "transfer"
             self.spawn(self._handoff(instance, handle))
+        if self.cfg.mode == "adaptive":
+            self._late_bind(instance)
 
     def on_failure(self, instance: Instance, why: str) -> None:
         self.lifecycle.on_failure(instance, why)
@@ -446,3 +489,7 @@ class Cluster:
 
     def total_blocks(self) -> dict[str, int]:
         return {iid: inst.blocks.num_blocks for iid, inst in self.instances.items()}
+
+
+def _fits(request: Optional[Request], free_blocks: int, block_size: int) -> bool:
+    return request is not None and blocks_needed(request.num_tokens + 1, block_size) <= free_blocks

@@ -113,9 +113,11 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
             ("--interference", 0.3, "adaptive placement: weight of the running decodes' slowdown against a "
                                     "prompt's own wait (scheduling/placement.py)")):
         g.add_argument(flag, type=float, default=default, help=what)
-    g.add_argument("--keep-margin", type=int, default=2,
-                   help="adaptive placement: a prefill instance keeps a request it prefilled and decodes it unless it "
-                        "runs this many decodes more than the least busy decode instance (scheduling/placement.py)")
+    g.add_argument("--keep-margin", type=keep_margin_arg, default=None, metavar="auto|N",
+                   help="adaptive placement: whether a prefill instance keeps a request it prefilled and decodes it; "
+                        "auto (default): unless a hand-over saves more than it costs, priced with the measured step "
+                        "costs; N: unless it runs N decodes more than the least busy decode instance "
+                        "(scheduling/placement.py)")
     g.add_argument("--no-flip-migrate", action="store_true",
                    help="adaptive: a decode instance turning prefill keeps its decodes instead of moving them out "
                         "by KV migration")
@@ -184,6 +186,19 @@ def default_token_budget(a: argparse.Namespace, context: Optional[int] = None) -
     context = context or model_context(a)
     slo = a.tbt_slo or cost.decode_slo_s(BUDGET_DECODE_BATCH, context)
     return cost.token_budget(slo, BUDGET_DECODE_BATCH, context)
+
+
+def keep_margin_arg(text: str) -> Optional[int]:
+    """``--keep-margin``: ``auto`` (None: priced) or a whole number of decodes >= 0."""
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected auto or a whole number >= 0, got {text!r}")
+    return value
 
 
 def placement_costs(a: argparse.Namespace) -> dict:

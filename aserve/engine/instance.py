@@ -213,9 +213,11 @@ class Instance:
         self.notify()
         return req
 
-    def take_unstarted(self) -> list[Request]:
+    def take_unstarted(self, request_ids=None) -> list[Request]:
         """Prefill (and adaptive): queued requests no chunk has touched yet (a draining instance
-        hands them on)."""
+        hands them on; adaptive: ``request_ids``, those another instance takes)."""
+        if request_ids is not None:
+            return self._as(HybridScheduler).take_unstarted(request_ids)
         return self._as((PrefillScheduler, HybridScheduler)).take_unstarted()
 
     def release_kv(self, request_id: str) -> None:

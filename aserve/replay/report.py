@@ -89,6 +89,9 @@ class SystemRun:
     failures: tuple = ()  # each instance failure: instance, why, requests it held, recovered_s
     predictor: Optional[dict] = None  # the online length predictor over the trace's requests (not warm-up)
     wall_s: Optional[float] = None  # host seconds the replay took (a simulated one runs faster than its clock)
+    # adaptive: prompts placed on each role, prefilled requests kept where prefilled, prompts taken
+    # by another instance before they started (cluster.py, _late_bind)
+    placements: Optional[dict] = None
     vllm: dict = field(default_factory=dict)  # over HTTP: vllm bench serve's fields (aserve/replay/vllm_names.py)
 
 
@@ -173,6 +176,7 @@ def summarize(run: SystemRun, slo: Optional[dict] = None, clipped: int = 0) -> d
            "flips_per_min": run.flips * 60 / span if run.flips is not None and span > 0 else None,
            "flip_log": [{k: f[k] for k in ("instance", "from", "to", "drain_s", "flip_s", "reason", "at", "migrated")
                          if k in f} for f in run.flip_log],
+           "placements": run.placements,
            "predictor": run.predictor,
            "predictor_accuracy": (run.predictor or {}).get("accuracy"),
            "makespan_s": span, "output_tokens": tokens, "preemptions": sum(r.num_preemptions for r in done),
