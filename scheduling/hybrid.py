@@ -164,7 +164,7 @@ class HybridScheduler(DecodeScheduler):
     def num_started_tokens(self) -> int:
         """Queued prompt tokens ahead of every unstarted prompt (the running prompts' rest, and
         recomputes)."""
-        return self.num_queued_tokens - sum(_left(r) for r in self.unstarted())
+        return self.num_queued_tokens - sum(_left(r) for r in self.unstarted() if _left(r) > 1)
 
     def _retire(self, request_id: str) -> Request:
         self._migrating.discard(request_id)

@@ -143,6 +143,19 @@ def test_hybrid_runs_prompts_whole_when_no_decode_rides_in_the_step():
     assert chunked.schedule().num_scheduled_tokens == {"long": 64}
 
 
+def test_unstarted_prompts_can_be_taken_one_by_one():
+    # 3 blocks of 16: "a" (40 tokens) starts, the rest wait for blocks and hold none
+    s = HybridScheduler(BlockManager(3, 16), DecodeConfig(),
+                        HybridConfig(token_budget=16, whole_prompts_when_idle=False))
+    for rid, n in (("a", 40), ("b", 30), ("one", 1), ("c", 20)):
+        s.add_request(req(rid, n))
+    step(s, s.schedule())  # a's first chunk: 16 of its 40 tokens
+    assert [r.request_id for r in s.unstarted()] == ["b", "one", "c"]
+    assert s.num_queued_tokens == 24 + 30 + 20 and s.num_started_tokens == 24  # a 1-token prompt queues nothing
+    assert [r.request_id for r in s.take_unstarted({"one", "c"})] == ["one", "c"]
+    assert [r.request_id for r in s.unstarted()] == ["b"] and s.num_requests == 2
+
+
 def test_prefill_role_hands_over_keeps_or_releases_and_blocks_come_back():
     blocks = BlockManager(100, 16)
     s = HybridScheduler(blocks, DecodeConfig(), HybridConfig(token_budget=512, hand_over=True))
