@@ -30,6 +30,7 @@ def make_request(rng: random.Random, i: int) -> tuple[str, dict]:
     return "/v1/completions", {**body, "prompt": f"List: {words}"}
 
 
+@pytest.mark.long  # 40 s: the 2-minute soak streams concurrent clients through the server too (faults on)
 def test_concurrent_streams_all_finish(server):
     rng = random.Random(1)
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
