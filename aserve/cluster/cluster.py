@@ -357,7 +357,6 @@ class Cluster:
                 waits = self.placement.cost_s(replace(there, queued_tokens=ahead), n)
                 if mine.free_blocks < need or self.placement.cost_s(mine, n) + self.placement.config.step_s >= waits:
                     break
-
                 moving.append(req.request_id)
                 mine = replace(mine, queued_tokens=mine.queued_tokens + n, free_blocks=mine.free_blocks - need)
             for req in other.take_unstarted(moving):
