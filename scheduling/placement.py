@@ -89,10 +89,13 @@ class Placement:
     def __init__(self, config: PlacementConfig = PlacementConfig()):
         self.config = config
 
+    def share(self, load: EntryLoad) -> int:
+        """Prompt tokens one of the instance's steps carries beside its decodes."""
+        return max(self.config.min_chunk, self.config.token_budget - load.num_decodes)
+
     def ttft_s(self, load: EntryLoad, num_prompt_tokens: int) -> float:
         """Seconds until the prompt's last chunk has run there."""
-        c = self.config
-        share = max(c.min_chunk, c.token_budget - load.num_decodes)
+        c, share = self.config, self.share(load)
         steps = (load.queued_tokens + num_prompt_tokens) / share
         return steps * (c.step_s + load.num_decodes * c.decode_row_s + share * c.prefill_token_s)
 
@@ -114,9 +117,7 @@ class Placement:
 
     def prompt_work_s(self, load: EntryLoad) -> float:
         """Prompt seconds in each of the instance's coming steps (its queued chunks, within its share)."""
-        c = self.config
-        share = max(c.min_chunk, c.token_budget - load.num_decodes)
-        return min(load.queued_tokens, share) * c.prefill_token_s
+        return min(load.queued_tokens, self.share(load)) * self.config.prefill_token_s
 
     def step_time_s(self, load: EntryLoad) -> float:
         """Seconds of the instance's next step as it stands: fixed, a row a decode, its prompt share."""

@@ -192,13 +192,9 @@ def keep_margin_arg(text: str) -> Optional[int]:
     """``--keep-margin``: ``auto`` (None: priced) or a whole number of decodes >= 0."""
     if text == "auto":
         return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
+    if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected auto or a whole number >= 0, got {text!r}")
-    return value
+    return int(text)
 
 
 def placement_costs(a: argparse.Namespace) -> dict:
