@@ -4,13 +4,15 @@
 # instance, so every system of a workload runs in the same minutes of the same machine (on a shared
 # VM, one system after another meets the machine's drift: docs/BENCHMARKS.md, the LPLD study).
 #
-#   scripts/side_by_side.sh OUT_DIR SECONDS LANE...
+#   scripts/pinned_replays.sh OUT_DIR SECONDS LANE...
 #     LANE = WORKLOADS[:SYSTEMS]    e.g. HPHD   LPLD,HPLD   LPLD,HPLD:adaptive,vllm
 #     WORKLOADS run one after another in the lane; the SYSTEMS of one workload (default
 #     adaptive,vllm,sarathi) run side by side, one pair of cores each. Lanes run at once, each on its
 #     own pairs, so the machine needs 2 x (systems in all lanes) cores. A replay still running
 #     SECONDS after the start is stopped (its JSON is then missing).
 #   ARGS (env): extra replay flags, e.g. '--num-requests 8' for a quick try.
+#   PROFILE=keep (env): use the one-thread profile already in the cache (measured when missing);
+#   by default it is measured again, which replaces the cached one (and what `sim:local` models).
 #
 # Each replay writes OUT_DIR/run_W_SYSTEM_LANE.json, its log and its step log (steps_*.jsonl, for
 # scripts/step_speed.py and `aserve profile device --from-steps`); cpus.txt says which cores each
@@ -18,8 +20,8 @@
 # first (alone), so no replay measures it under its neighbours' load. Round 1's caps, as
 # scripts/adaptive_compare.sh: prompts to 1,024 tokens, outputs to 512, 0.5 GiB of KV an instance.
 set -uo pipefail
-OUT=${1:?usage: scripts/side_by_side.sh OUT_DIR SECONDS LANE...}
-LIMIT=${2:?usage: scripts/side_by_side.sh OUT_DIR SECONDS LANE...}
+OUT=${1:?usage: scripts/pinned_replays.sh OUT_DIR SECONDS LANE...}
+LIMIT=${2:?usage: scripts/pinned_replays.sh OUT_DIR SECONDS LANE...}
 shift 2
 PY=${PY:-python3}
 mkdir -p "$OUT"
@@ -47,12 +49,17 @@ for lane in "$@"; do
   IFS=, read -ra s <<<"$systems"; needed=$((needed + 2 * ${#s[@]}))
 done
 if [ "$needed" -gt "${#CPUS[@]}" ]; then
-  echo "side_by_side: the lanes need $needed cores, this machine has ${#CPUS[@]}" >&2; exit 2
+  echo "pinned_replays: the lanes need $needed cores, this machine has ${#CPUS[@]}" >&2; exit 2
 fi
 
 echo "== profile (1 thread, alone on cores ${CPUS[0]},${CPUS[1]})"
-taskset -c "${CPUS[0]},${CPUS[1]}" $PY cli.py profile device --threads 1 >"$OUT/profile.log" 2>&1 \
-  || { tail -n 20 "$OUT/profile.log"; exit 1; }
+if [ "${PROFILE:-}" = keep ]; then  # the replay's own lookup: the cached profile, or measured now
+  taskset -c "${CPUS[0]},${CPUS[1]}" $PY -c 'from aserve.config import EngineConfig
+from aserve.engine.device_profile import load_or_measure
+print("saturate chunk", load_or_measure(EngineConfig(), 1).saturate_chunk())' >"$OUT/profile.log" 2>&1
+else
+  taskset -c "${CPUS[0]},${CPUS[1]}" $PY cli.py profile device --threads 1 >"$OUT/profile.log" 2>&1
+fi || { tail -n 20 "$OUT/profile.log"; exit 1; }
 tail -n 3 "$OUT/profile.log"
 
 run_lane() {  # run_lane INDEX FIRST_PAIR WORKLOADS SYSTEMS
