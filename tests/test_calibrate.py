@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from aserve.engine.calibrate import errors, fit
+from aserve.engine.calibrate import errors, fit, scaled, speed
 from aserve.engine.cost_model import CostModel
 from aserve.engine.step_log import LoggedStep, read_steps
 from tests.step_log_support import check_step_log
@@ -117,6 +117,42 @@ def test_a_sim_replay_logs_its_steps_and_the_fit_refits_its_profile(tmp_path, ca
     capsys.readouterr()
     assert main(["profile", "device", "--base", str(fitted_path), "--check", str(log)]) == 0
     assert "the base's error on the --check steps" in capsys.readouterr().out
+
+
+def write_log(path, steps) -> None:
+    keys = ("chunks", "decodes", "pad", "sampled", "neighbours", "swapped")
+    path.write_text("".join(json.dumps({**{k: getattr(s, k) for k in keys}, "forward_s": s.seconds, "busy_s": s.seconds,
+                                        "cpu_s": s.seconds, "system": "a"}) + "\n" for s in steps))
+
+
+def test_speed_only_reads_the_machines_speed_off_decode_steps(tmp_path, capsys):
+    """A run in slow minutes: every step 25% over the profile. One number is fitted, read off the
+    decode-only steps, so prompt steps off by something else (a policy's mix) do not move it."""
+    from dataclasses import replace
+
+    from aserve.commands import EXIT_USAGE, main
+
+    steps = synthetic_steps(scaled(TRUE, 1.25), 900, noise=0.03)
+    assert speed(TRUE, steps) == pytest.approx(1.25, rel=0.01)
+    odd = [s if s.kind == "decode" else replace(s, seconds=2 * s.seconds) for s in steps]
+    assert speed(TRUE, odd) == pytest.approx(1.25, rel=0.01)
+    log, base, out = tmp_path / "steps.jsonl", tmp_path / "base.json", tmp_path / "fast.json"
+    write_log(log, steps)
+    TRUE.save(base)
+    assert main(["profile", "device", "--from-steps", str(log), "--base", str(base), "--out", str(out),
+                 "--speed-only"]) == 0
+    assert "every cost x1.2" in capsys.readouterr().out
+    got = CostModel.load(out)
+    f = got.meta["calibrated"]["speed"]
+    assert f == pytest.approx(1.25, rel=0.01) and "ridge" not in got.meta["calibrated"]
+    assert got.linear_s == pytest.approx([f * y for y in TRUE.linear_s])
+    assert (got.attn_prefill_s, got.attn_decode_s, got.logits_row_s, got.contention) == pytest.approx(
+        (f * TRUE.attn_prefill_s, f * TRUE.attn_decode_s, f * TRUE.logits_row_s, TRUE.contention))
+    assert abs(got.meta["calibrated"]["fitted"]["after"]["all"]["total"]) < 0.01
+    write_log(log, [s for s in steps if s.kind != "decode"])
+    assert main(["profile", "device", "--from-steps", str(log), "--base", str(base), "--out", str(out),
+                 "--speed-only"]) == EXIT_USAGE
+    assert "no usable decode-only step" in capsys.readouterr().err
 
 
 def test_bad_step_logs_and_flags_name_the_problem(tmp_path, capsys):

@@ -110,8 +110,9 @@ def test_measure_a_tiny_model():
     seen = []
     cost = measure(model, torch.float32, "cpu", threads=1, reps=1, tick=seen.append, meta={"model": "tiny"})
     assert cost.tokens == GRID and all(t > 0 for t in cost.linear_s)
-    assert cost.attn_prefill_s >= 0 and cost.attn_decode_s >= 0 and cost.contention >= 0
+    assert cost.attn_prefill_s >= 0 and cost.attn_decode_s >= 0 and cost.contention >= 0 and cost.logits_row_s >= 0
+    assert "logits" in seen  # the LM head timed on its own: what a prompt row that samples nothing saves
     assert [c["step"] for c in cost.meta["checks"]] == [c[0] for c in CHECKS]
     assert all(c["measured_s"] > 0 and c["predicted_s"] > 0 for c in cost.meta["checks"])
     assert cost.meta["model"] == "tiny" and cost.meta["threads"] == 1 and "cores" in cost.meta["machine"]
-    assert len(seen) == len(GRID) + 3 + 4 + 1 + len(CHECKS)
+    assert len(seen) == len(GRID) + 1 + 3 + 4 + 1 + len(CHECKS)

@@ -28,6 +28,9 @@ def register(subparsers) -> None:
     g.add_argument("--systems", default=None, help="only steps of these --compare systems (comma-separated)")
     g.add_argument("--no-contention", dest="fit_contention", action="store_false",
                    help="keep the base's contention instead of fitting it")
+    g.add_argument("--speed-only", action="store_true",
+                   help="fit one number, the machine's speed in the logged minutes (the median measured / "
+                        "predicted of the decode-only steps), and scale every cost of the base by it")
     add_engine_args(pd)
     pd.set_defaults(func=cmd_profile_device)
     pt = prsub.add_parser("token-budget", help="the largest Sarathi token budget whose iteration meets a TBT SLO "
@@ -99,7 +102,7 @@ def _calibrate(a: argparse.Namespace) -> int:
     from dataclasses import replace
     from datetime import date
 
-    from aserve.engine.calibrate import describe, fit, usable
+    from aserve.engine.calibrate import describe, fit, scaled, speed, usable
     from aserve.engine.step_log import read_steps
 
     if a.from_steps and not a.out:
@@ -113,15 +116,19 @@ def _calibrate(a: argparse.Namespace) -> int:
     if not a.from_steps:
         _print_errors(describe(base, base, checks)["fitted"], "the base's error on the --check steps", ("before",))
         return 0
-    fitted = fit(base, steps, a.ridge, fit_contention=a.fit_contention)
+    factor = speed(base, steps) if a.speed_only else None
+    fitted = scaled(base, factor) if a.speed_only else fit(base, steps, a.ridge, fit_contention=a.fit_contention)
     record = describe(fitted, base, steps, checks)
     skipped = len(steps) - len(usable(steps))
+    how = {"speed": factor} if a.speed_only else {"ridge": a.ridge}
     fitted = replace(fitted, meta={**base.meta, "calibrated": {
         "from_steps": list(a.from_steps), "check": list(a.check or ()), "systems": sorted(systems or ()),
-        "target": a.target, "ridge": a.ridge, "skipped_steps": skipped, "date": date.today().isoformat(),
-        **record}})
+        "target": a.target, **how, "skipped_steps": skipped, "date": date.today().isoformat(), **record}})
     fitted.save(a.out)
-    _print_fit(base, fitted, skipped)
+    if a.speed_only:
+        print(f"speed in the logged minutes: every cost x{factor:.3f} of the base's")
+    else:
+        _print_fit(base, fitted, skipped)
     held = sum(s.seconds for s in read_steps(a.from_steps, "busy_s", systems))
     forward = sum(s.seconds for s in read_steps(a.from_steps, "forward_s", systems))
     if forward > 0:

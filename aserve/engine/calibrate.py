@@ -74,6 +74,23 @@ def usable(steps: Sequence[LoggedStep]) -> list[LoggedStep]:
     return [s for s in steps if s.rows > 0 and s.seconds > 0 and not s.swapped]
 
 
+def speed(base: CostModel, steps: Sequence[LoggedStep]) -> float:
+    """How fast the machine ran in the logged minutes against ``base``: the median of measured /
+    predicted over the usable decode-only steps (every policy runs them, so the policy's mix of
+    prompt work does not weigh in). A shared VM drifts by tens of percent over hours, so a profile
+    measured at one time describes another run only at that run's speed."""
+    decodes = [s for s in usable(steps) if s.kind == "decode"]
+    if not decodes:
+        raise ValueError("no usable decode-only step in the logs: the speed is read off decode-only steps")
+    return statistics.median(s.seconds / predict(base, s) for s in decodes)
+
+
+def scaled(base: CostModel, factor: float) -> CostModel:
+    """``base`` with every cost times ``factor`` (contention, a ratio, unchanged)."""
+    return replace(base, linear_s=tuple(y * factor for y in base.linear_s), attn_prefill_s=base.attn_prefill_s * factor,
+                   attn_decode_s=base.attn_decode_s * factor, logits_row_s=base.logits_row_s * factor)
+
+
 def extended_grid(base: CostModel, steps: Sequence[LoggedStep]) -> CostModel:
     """``base`` with its grid doubled past its last point up to the longest step logged, the new
     points at the base's own extrapolation (the prior the fit pulls them toward)."""

@@ -5,7 +5,10 @@ instance's torch threads:
 
     linear(T)      T decode rows with one token of context each (attention negligible), T on a grid
     attn_decode    16 decode rows at 256 .. 2,048 tokens of context: time - linear(16), per token read
-    attn_prefill   chunks of 128 and 512 tokens after 0 and 1,024 cached: time - linear(n), per pair
+    logits_row     the LM head alone on 1 and 64 rows: per row (decode rows each produce logits, a
+                   prompt chunk's rows all but its last do not: ``CostModel`` takes it back)
+    attn_prefill   chunks of 128 and 512 tokens after 0 and 1,024 cached: time - (linear(n) less
+                   the n - 1 rows' logits), per pair
     contention     a 16-row decode step alone, and while a second runner on another thread
                    prefills without pause (only when the machine has the cores for both)
 
@@ -33,6 +36,7 @@ from scheduling.step import GREEDY, SeqStep, StepPlan
 
 GRID = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
 DECODE_BATCH = 16
+LOGITS_ROWS = (1, 64)
 DECODE_CONTEXTS = (256, 1024, 2048)
 PREFILL_POINTS = ((128, 0), (128, 1024), (512, 0), (512, 1024))
 CHECKS = (("prefill 256 after 512", lambda m: m.prefill_s(256, 512), "prefill", (256, 512)),
@@ -103,7 +107,9 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, device: str, threads: in
         for n in GRID:
             tick(f"{n} rows")
             linear.append(steps.time(decodes=[1] * n))
-        partial = CostModel(GRID, tuple(linear), 0.0, 0.0)
+        tick("logits")
+        logits_row = _logits_row_s(runner, reps)
+        partial = CostModel(GRID, tuple(linear), 0.0, 0.0, logits_row_s=logits_row)
         decode_points = []
         for ctx in DECODE_CONTEXTS:
             tick(f"{DECODE_BATCH} decodes at {ctx}")
@@ -112,8 +118,10 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, device: str, threads: in
         prefill_points = []
         for n, start in PREFILL_POINTS:
             tick(f"chunk {n} after {start}")
-            prefill_points.append((CostModel.prefill_pairs(n, start), steps.time(chunks=[(n, start)]) - partial.linear(n)))
-        fitted = CostModel(GRID, tuple(linear), fit_attention(prefill_points), fit_attention(decode_points))
+            prefill_points.append((CostModel.prefill_pairs(n, start),
+                                   steps.time(chunks=[(n, start)]) - partial.step_s([(n, start)], [])))
+        fitted = CostModel(GRID, tuple(linear), fit_attention(prefill_points), fit_attention(decode_points),
+                           logits_row_s=logits_row)
         tick("contention")
         contention = _contention(model, dtype, device, threads, steps)
         checks = _checks(fitted, steps, tick)
@@ -121,7 +129,31 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, device: str, threads: in
         torch.set_num_threads(before)
     info = {**(meta or {}), "threads": threads, "machine": machine(), "date": date.today().isoformat(),
             "reps": reps, "checks": checks, "contention_measured": contention is not None}
-    return CostModel(GRID, tuple(linear), fitted.attn_prefill_s, fitted.attn_decode_s, contention or 0.0, info)
+    return CostModel(GRID, tuple(linear), fitted.attn_prefill_s, fitted.attn_decode_s, contention or 0.0, info,
+                     logits_row_s=logits_row)
+
+
+def _logits_row_s(runner: ModelRunner, reps: int) -> float:
+    """One row's logits (the model's LM head, timed alone on ``LOGITS_ROWS`` rows): the slope."""
+    model, device = runner.model, runner.device
+    on_cuda = device.type == "cuda"
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    with torch.inference_mode():
+        for n in LOGITS_ROWS:
+            hidden = torch.randn(n, model.args.hidden_size, generator=gen).to(device=device, dtype=dtype)
+            runs = []
+            for _ in range(reps + 1):  # the first is the warm-up
+                if on_cuda:
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                model.logits(hidden)
+                if on_cuda:
+                    torch.cuda.synchronize(device)
+                runs.append(time.perf_counter() - t0)
+            times.append(statistics.median(runs[1:]))
+    return max(0.0, (times[-1] - times[0]) / (LOGITS_ROWS[-1] - LOGITS_ROWS[0]))
 
 
 def _contention(model, dtype, device: str, threads: int, steps: _Steps) -> Optional[float]:
@@ -185,7 +217,7 @@ def machine() -> str:
 
 
 def num_points() -> int:
-    return len(GRID) + len(DECODE_CONTEXTS) + len(PREFILL_POINTS) + 1 + len(CHECKS)
+    return len(GRID) + 1 + len(DECODE_CONTEXTS) + len(PREFILL_POINTS) + 1 + len(CHECKS)
 
 
 def load_or_measure(cfg, threads: int, quiet: bool = False) -> CostModel:
@@ -246,8 +278,9 @@ def _print(console, cost: CostModel, seconds: float, path, out: Optional[str]) -
         t.add_row(str(n), f"{sec * 1e3:.1f}", f"{n / sec:,.0f}")
     console.print(t)
     console.print(f"attention: {cost.attn_prefill_s * 1e9:.2f} ns per prompt query-key pair, "
-                  f"{cost.attn_decode_s * 1e9:.1f} ns per decode context token; contention "
-                  f"{cost.contention:+.0%} beside a busy neighbour", highlight=False)
+                  f"{cost.attn_decode_s * 1e9:.1f} ns per decode context token; logits "
+                  f"{cost.logits_row_s * 1e3:.2f} ms a row; contention {cost.contention:+.0%} beside a busy "
+                  "neighbour", highlight=False)
     checks = Table(title="the fit on steps it was not fitted on")
     for col in ("step", "measured ms", "predicted ms", "error"):
         checks.add_column(col, justify="right")
