@@ -47,6 +47,13 @@ needed=0
 for lane in "$@"; do
   systems=${lane#*:}; [ "$systems" = "$lane" ] && systems=adaptive,vllm,sarathi
   IFS=, read -ra s <<<"$systems"; needed=$((needed + 2 * ${#s[@]}))
+  for sys in "${s[@]}"; do
+    [ -n "${SYS[$sys]:-}" ] || { echo "pinned_replays: unknown system '$sys' in lane '$lane' (known: ${!SYS[*]})" >&2; exit 2; }
+  done
+  IFS=, read -ra ws <<<"${lane%%:*}"
+  for w in "${ws[@]}"; do
+    [ -f "traces/$w.jsonl" ] || { echo "pinned_replays: no trace traces/$w.jsonl (lane '$lane')" >&2; exit 2; }
+  done
 done
 if [ "$needed" -gt "${#CPUS[@]}" ]; then
   echo "pinned_replays: the lanes need $needed cores, this machine has ${#CPUS[@]}" >&2; exit 2
