@@ -67,16 +67,21 @@ def test_profile_cache_is_per_machine(tmp_path):
     assert cost_model(str(tmp_path), "default", "cpu", "auto", 1, "this one") == here
     assert cost_model(str(tmp_path), "default", "cpu", "auto", 1, "another one") is None
     assert cost_model(str(tmp_path), "default", "cpu", "auto", 2, "this one") is None
+    # a profile of an older measurement (no LM head timed: no version) is measured again
+    assert cost_model(str(tmp_path), "default", "cpu", "auto", 1, "this one", version=2) is None
+    save_cost_model(str(tmp_path), "default", "cpu", "auto", 1, replace(here, meta={**here.meta, "version": 2}))
+    assert cost_model(str(tmp_path), "default", "cpu", "auto", 1, "this one", version=2).meta["version"] == 2
 
 
 def test_command_line_defaults_come_from_the_profile(tmp_path):
-    from aserve.engine.device_profile import machine
+    from aserve.engine.device_profile import PROFILE_VERSION, machine
     from aserve.commands import build_parser
     from aserve.commands.common import BUDGET_DECODE_BATCH, cluster_config, engine_config, model_context
     from aserve.engine.profile_store import save_cost_model, save_token_budget
 
     cache = str(tmp_path)
-    mine = CostModel(COST.tokens, COST.linear_s, COST.attn_prefill_s, COST.attn_decode_s, meta={"machine": machine()})
+    mine = CostModel(COST.tokens, COST.linear_s, COST.attn_prefill_s, COST.attn_decode_s,
+                     meta={"machine": machine(), "version": PROFILE_VERSION})
     save_cost_model(cache, "default", "cpu", "auto", 1, mine)  # coupled x2 on 2 threads: 1 each
 
     def args(*flags):
@@ -102,7 +107,7 @@ def test_command_line_defaults_come_from_the_profile(tmp_path):
 
 def test_measure_a_tiny_model():
     """A real measurement, on a tiny random model: every coefficient comes out, the checks ran."""
-    from aserve.engine.device_profile import CHECKS, GRID, measure
+    from aserve.engine.device_profile import CHECKS, GRID, PROFILE_VERSION, measure
     from tests.tiny import LLAMA, hf_model, ours
 
     config = {**LLAMA, "max_position_embeddings": 4096}  # the profile's longest context is 2,048
@@ -115,4 +120,5 @@ def test_measure_a_tiny_model():
     assert [c["step"] for c in cost.meta["checks"]] == [c[0] for c in CHECKS]
     assert all(c["measured_s"] > 0 and c["predicted_s"] > 0 for c in cost.meta["checks"])
     assert cost.meta["model"] == "tiny" and cost.meta["threads"] == 1 and "cores" in cost.meta["machine"]
+    assert cost.meta["version"] == PROFILE_VERSION
     assert len(seen) == len(GRID) + 1 + 3 + 4 + 1 + len(CHECKS)

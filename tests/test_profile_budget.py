@@ -115,7 +115,7 @@ def test_saved_budget_is_the_sarathi_default(tmp_path):
     from aserve.commands import build_parser
     from aserve.commands.common import engine_config
     from aserve.engine.cost_model import CostModel
-    from aserve.engine.device_profile import machine
+    from aserve.engine.device_profile import PROFILE_VERSION, machine
     from aserve.engine.profile_store import save_cost_model, save_token_budget, token_budget
 
     cache = str(tmp_path)
@@ -131,7 +131,7 @@ def test_saved_budget_is_the_sarathi_default(tmp_path):
     assert budget("7", "--batching", "alise") == 384  # alise chunks within the same budget
     assert budget("7", "--max-num-batched-tokens", "100") == 100  # the user's value wins
     # 5 threads were not profiled for a budget: derived from the measured engine's step costs
-    cost = CostModel((1, 1024), (0.01, 0.5), 1e-9, 5e-8, meta={"machine": machine()})
+    cost = CostModel((1, 1024), (0.01, 0.5), 1e-9, 5e-8, meta={"machine": machine(), "version": PROFILE_VERSION})
     save_cost_model(cache, "default", "cpu", "auto", 5, cost)
     assert budget("5") == cost.token_budget(cost.decode_slo_s(32, 512), 32, 512)
 

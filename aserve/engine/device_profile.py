@@ -37,6 +37,9 @@ from scheduling.step import GREEDY, SeqStep, StepPlan
 GRID = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
 DECODE_BATCH = 16
 LOGITS_ROWS = (1, 64)
+# what a measured profile holds; a cached one of an older version is measured again.
+# 2 (2026-11-26): the LM head's cost a row (before: 0, and prefill attention fitted on that error)
+PROFILE_VERSION = 2
 DECODE_CONTEXTS = (256, 1024, 2048)
 PREFILL_POINTS = ((128, 0), (128, 1024), (512, 0), (512, 1024))
 CHECKS = (("prefill 256 after 512", lambda m: m.prefill_s(256, 512), "prefill", (256, 512)),
@@ -128,7 +131,7 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, device: str, threads: in
     finally:
         torch.set_num_threads(before)
     info = {**(meta or {}), "threads": threads, "machine": machine(), "date": date.today().isoformat(),
-            "reps": reps, "checks": checks, "contention_measured": contention is not None}
+            "reps": reps, "checks": checks, "contention_measured": contention is not None, "version": PROFILE_VERSION}
     return CostModel(GRID, tuple(linear), fitted.attn_prefill_s, fitted.attn_decode_s, contention or 0.0, info,
                      logits_row_s=logits_row)
 
@@ -225,7 +228,7 @@ def load_or_measure(cfg, threads: int, quiet: bool = False) -> CostModel:
     a progress line on stderr) and saved: the first run that needs it pays about half a minute."""
     from aserve.engine.profile_store import cost_model
 
-    cost = cost_model(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, threads, machine())
+    cost = cost_model(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, threads, machine(), PROFILE_VERSION)
     if cost is not None:
         return cost
     return measure_and_save(cfg, threads, quiet=quiet, why="once, for the chunk size and the token budget")

@@ -3,7 +3,8 @@
 - ``device_profiles.json``: a ``CostModel`` (aserve/engine/cost_model.py) per (model, device,
   dtype, torch threads), measured by ``aserve profile device``, or on the first run that needs a
   setting derived from it (the prefill chunk size, the Sarathi token budget). Each keeps the
-  machine it was measured on; a profile of another machine is measured again.
+  machine it was measured on and the measurement's version; a profile of another machine, or of an
+  older measurement, is measured again.
 - ``profile.json``: the token budget ``aserve profile token-budget`` saved for a (model, device,
   dtype, threads) at an SLO the user chose; it takes precedence over the derived budget.
 
@@ -72,8 +73,9 @@ def save_cost_model(cache_dir: Optional[str], model: str, device: str, dtype: st
 
 
 def cost_model(cache_dir: Optional[str], model: str, device: str, dtype: str, threads: int,
-               machine: Optional[str] = None) -> Optional[CostModel]:
-    """The saved profile, or None (none saved, unreadable, or measured on another ``machine``)."""
+               machine: Optional[str] = None, version: Optional[int] = None) -> Optional[CostModel]:
+    """The saved profile, or None (none saved, unreadable, measured on another ``machine``, or by
+    an older measurement than ``version``: ``meta.version``, 1 when absent)."""
     data = _load(device_profile_path(cache_dir)).get(_key(model, device, dtype, threads))
     if data is None:
         return None
@@ -82,5 +84,7 @@ def cost_model(cache_dir: Optional[str], model: str, device: str, dtype: str, th
     except (ValueError, TypeError):
         return None
     if machine is not None and cost.meta.get("machine") != machine:
+        return None
+    if version is not None and cost.meta.get("version", 1) < version:
         return None
     return cost
