@@ -185,7 +185,7 @@ def _short_generation(body):
     return body
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(case=mostly(bodies(), st.tuples(st.sampled_from([CHAT, COMPLETION]), ANY | st.binary(max_size=40))))
 def test_fuzz_never_5xx(server, case):
     path, body = case
