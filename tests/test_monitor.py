@@ -318,6 +318,7 @@ class _Load:
             t.join(60)
 
 
+@pytest.mark.long  # 18 s; the snapshot it reads is checked by test_json_prints_the_snapshot, its rendering by the recorded ones
 @pytest.mark.slow
 def test_monitor_once_against_a_loaded_server(server):
     # On a slow CPU (fp32, 2.5 s to a first token while the server warms) a 2-s window can hold no
