@@ -111,7 +111,7 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, device: str, threads: in
             tick(f"{n} rows")
             linear.append(steps.time(decodes=[1] * n))
         tick("logits")
-        logits_row = _logits_row_s(runner, reps)
+        logits_row = _logits_row_s(runner, dtype, reps)
         partial = CostModel(GRID, tuple(linear), 0.0, 0.0, logits_row_s=logits_row)
         decode_points = []
         for ctx in DECODE_CONTEXTS:
@@ -136,11 +136,10 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, device: str, threads: in
                      logits_row_s=logits_row)
 
 
-def _logits_row_s(runner: ModelRunner, reps: int) -> float:
+def _logits_row_s(runner: ModelRunner, dtype: torch.dtype, reps: int) -> float:
     """One row's logits (the model's LM head, timed alone on ``LOGITS_ROWS`` rows): the slope."""
     model, device = runner.model, runner.device
     on_cuda = device.type == "cuda"
-    dtype = next(model.parameters()).dtype
     gen = torch.Generator().manual_seed(0)
     times = []
     with torch.inference_mode():
