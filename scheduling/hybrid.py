@@ -38,10 +38,13 @@ class HybridConfig:
     min_chunk: int = 16  # prompt tokens a step carries at least while a prompt is admitted
     hand_over: bool = False  # prefill role: a finished prompt waits in finished_prefills
     whole_prompts_when_idle: bool = True  # a step without decodes runs prompts whole (no gap to protect)
+    watermark: float = 0.01  # share of the pool a prompt's admission leaves free while others run
 
     def __post_init__(self):
         if self.token_budget < 1 or self.min_chunk < 1:
             raise ValueError(f"token_budget and min_chunk must be >= 1, got {self}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
 
 
 class HybridScheduler(DecodeScheduler):
@@ -60,6 +63,7 @@ class HybridScheduler(DecodeScheduler):
         self.hybrid = hybrid
         self._finished: dict[str, Request] = {}  # KV computed, held here until release or keep
         self._migrating: set[str] = set()  # running requests to hand over after their next token
+        self.watermark_blocks = int(hybrid.watermark * blocks.num_blocks)
 
     def set_hand_over(self, hand_over: bool) -> None:
         """A flip: from now on finished prompts are handed over (prefill role) or kept (decode)."""
@@ -69,11 +73,16 @@ class HybridScheduler(DecodeScheduler):
     def _admit(self) -> list[tuple[int, int]]:
         """First come, first served: a request that cannot start for want of blocks stops the
         ones behind it. (The decode scheduler lets later requests that hold their KV pass; here
-        new prompts would pass too, and a preempted request could wait for ever behind them.)"""
+        new prompts would pass too, and a preempted request could wait for ever behind them.)
+        While others run, a request starts only if its blocks leave the watermark free (the
+        coupled schedulers' rule, vLLM's ``can_allocate``): without it the running decodes
+        soon preempt the newest, and on LPHD ``sim:`` counted 121 preemptions against 96 with it
+        (sarathi: 85)."""
         swap_in: list[tuple[int, int]] = []
         while self._waiting and len(self._running) < self.config.max_running:
             request = self._waiting[0]
-            if self._missing(request) > self.blocks.num_free or not (self.admits(request) or not self._running):
+            keep_free = self.watermark_blocks if self._running else 0
+            if self._missing(request) + keep_free > self.blocks.num_free or not (self.admits(request) or not self._running):
                 break
             self._start(request, swap_in)
         return swap_in

@@ -143,6 +143,22 @@ def test_hybrid_runs_prompts_whole_when_no_decode_rides_in_the_step():
     assert chunked.schedule().num_scheduled_tokens == {"long": 64}
 
 
+def test_hybrid_admission_leaves_the_watermark_free_while_others_run():
+    # 100 blocks of 16, a 10% watermark: 10 blocks stay free for the running requests' next tokens
+    s = HybridScheduler(BlockManager(100, 16), DecodeConfig(), HybridConfig(token_budget=2048, watermark=0.1))
+    s.add_request(req("first", 95 * 16 - 1))  # nothing runs: it starts even though it eats the watermark
+    assert set(s.schedule().num_scheduled_tokens) == {"first"}
+    s = HybridScheduler(BlockManager(100, 16), DecodeConfig(), HybridConfig(token_budget=2048, watermark=0.1))
+    s.add_request(req("a", 16 * 40 - 1))  # 40 blocks with its first token
+    step(s, s.schedule())
+    s.add_request(req("fits", 16 * 50 - 1))  # 40 + 50 leaves exactly the 10 blocks
+    s.add_request(req("over", 15))  # one block more than the watermark allows: waits
+    assert set(s.schedule().num_scheduled_tokens) == {"a", "fits"}
+    assert s.blocks.num_free == 10 and [r.request_id for r in s.unstarted()] == ["over"]
+    with pytest.raises(ValueError, match="watermark"):
+        HybridConfig(watermark=1.0)
+
+
 def test_unstarted_prompts_can_be_taken_one_by_one():
     # 3 blocks of 16: "a" (40 tokens) starts, the rest wait for blocks and hold none
     s = HybridScheduler(BlockManager(3, 16), DecodeConfig(),

@@ -69,7 +69,8 @@ class Policies:
             if config.preemption == "swap":
                 config = dataclasses.replace(config, num_swap_blocks=device.add_swap_space())
             if self.adaptive:
-                hybrid = HybridConfig(self.token_budget, hand_over=role == "prefill")
+                hybrid = HybridConfig(self.token_budget, hand_over=role == "prefill",
+                                      watermark=self.batching_config.watermark)
                 return HybridScheduler(blocks, config, hybrid, clock)
             return registry.get("decode", self.decode)(blocks, config, clock)
         if role == "coupled":
