@@ -112,6 +112,7 @@ class ClusterConfig:
     placement_decode_row_s: float = 1e-3  # seconds a decode row adds to a step
     interference: float = 0.3  # weight of running decodes' slowdown against a prompt's wait
     keep_margin: Optional[int] = None  # None: keep unless a hand-over pays (priced); N: unless it decodes N more
+    prompt_first: bool = False  # adaptive: prompts that end within the budget run in a step of their own
     on_failure: str = "rerun"  # rerun | error: what happens to a failed instance's requests
     transfer_timeout_s: float = 30.0  # a KV transfer slower than this is retried elsewhere
     transfer_retries: int = 2  # retries on other decode instances before on_transfer_failure applies

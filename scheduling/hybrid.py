@@ -39,12 +39,17 @@ class HybridConfig:
     hand_over: bool = False  # prefill role: a finished prompt waits in finished_prefills
     whole_prompts_when_idle: bool = True  # a step without decodes runs prompts whole (no gap to protect)
     watermark: float = 0.01  # share of the pool a prompt's admission leaves free while others run
+    # None: off. N: a step's fixed time in prompt rows (step_s / prefill_token_s); admitted prompts
+    # that end within the budget the decodes and N rows leave run first, in a step of their own
+    prompt_first_rows: Optional[int] = None
 
     def __post_init__(self):
         if self.token_budget < 1 or self.min_chunk < 1:
             raise ValueError(f"token_budget and min_chunk must be >= 1, got {self}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.prompt_first_rows is not None and self.prompt_first_rows < 0:
+            raise ValueError(f"prompt_first_rows must be >= 0, got {self.prompt_first_rows}")
 
 
 class HybridScheduler(DecodeScheduler):
@@ -64,6 +69,8 @@ class HybridScheduler(DecodeScheduler):
         self._finished: dict[str, Request] = {}  # KV computed, held here until release or keep
         self._migrating: set[str] = set()  # running requests to hand over after their next token
         self.watermark_blocks = int(hybrid.watermark * blocks.num_blocks)
+        self._debt = 0  # rows the last step (prompt-first) took from the budget of this one
+        self.num_prompt_first_steps = 0
 
     def set_hand_over(self, hand_over: bool) -> None:
         """A flip: from now on finished prompts are handed over (prefill role) or kept (decode)."""
@@ -90,10 +97,26 @@ class HybridScheduler(DecodeScheduler):
     def _rows(self) -> tuple:
         """Decodes one row each; prompt chunks share what the budget leaves, in admission order.
         With no decode in the step there is no token gap to protect: prompts run whole, as many
-        as the budget holds, and one longer than the budget alone (vLLM's prompt step)."""
+        as the budget holds, and one longer than the budget alone (vLLM's prompt step).
+
+        Prompt first (``prompt_first_rows`` N set): admitted prompts that end within the budget
+        the decodes and N rows leave run first, whole, in a step of their own, as vLLM's prompt
+        step runs them, and the next step's chunks get what the pair leaves of one budget. A
+        prompt that would share its last step with D decodes then has its first token D decode
+        rows sooner, while the decodes' gap (the two steps) stays within one full step's: the
+        token gap the budget was chosen for. Never two prompt-first steps in a row."""
         decodes = sum(_left(r) == 1 for r in self._running)
         whole = self.hybrid.whole_prompts_when_idle and decodes == 0
         left = max(self.hybrid.token_budget - decodes, self.hybrid.min_chunk)
+        debt, self._debt = self._debt, 0
+        if decodes and not debt and self.hybrid.prompt_first_rows is not None:
+            first = self._prompt_first(self.hybrid.token_budget - decodes - self.hybrid.prompt_first_rows)
+            if first:
+                self._debt = sum(_left(r) for r in first) + self.hybrid.prompt_first_rows
+                self.num_prompt_first_steps += 1
+                return tuple(self._row(r, _left(r)) for r in first)
+        if debt and not whole:
+            left = max(0, self.hybrid.token_budget - decodes - debt)
         rows = []
         for r in self._running:
             n = _left(r)
@@ -106,10 +129,25 @@ class HybridScheduler(DecodeScheduler):
                 left -= n
                 if n <= 0:
                     continue
-            start = r.num_computed_tokens
-            r.times.setdefault("scheduled", self.clock.now())  # its first step here: its queue time ends
-            rows.append(seq_step(r, start, start + n, sample=start + n == r.num_tokens))
+            rows.append(self._row(r, n))
         return tuple(rows)
+
+    def _prompt_first(self, room: int) -> list[Request]:
+        """The admitted prompts, in admission order, that end within ``room`` rows together."""
+        first = []
+        for r in self._running:
+            n = _left(r)
+            if n > 1:
+                if n > room:
+                    break
+                first.append(r)
+                room -= n
+        return first
+
+    def _row(self, r: Request, n: int):
+        start = r.num_computed_tokens
+        r.times.setdefault("scheduled", self.clock.now())  # its first step here: its queue time ends
+        return seq_step(r, start, start + n, sample=start + n == r.num_tokens)
 
     # --- update ---------------------------------------------------------------------------
     def update(self, plan: StepPlan, output: StepOutput) -> StepEvents:

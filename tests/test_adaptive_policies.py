@@ -143,6 +143,56 @@ def test_hybrid_runs_prompts_whole_when_no_decode_rides_in_the_step():
     assert chunked.schedule().num_scheduled_tokens == {"long": 64}
 
 
+def test_prompt_first_runs_a_prompt_that_ends_in_a_step_of_its_own_then_pays_the_budget_back():
+    # budget 64, a step's fixed time worth 10 prompt rows; three decodes running
+    s = HybridScheduler(BlockManager(200, 16), DecodeConfig(), HybridConfig(token_budget=64, prompt_first_rows=10))
+    for i in range(3):
+        s.add_request(req(f"d{i}", 10))
+    step(s, s.schedule())
+    s.add_request(req("a", 20))  # ends within 64 - 3 decodes - 10 = 51 rows: it goes first, alone
+    s.add_request(req("b", 40))  # 20 + 40 > 51: it waits for the next step
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"a": 20}
+    step(s, plan)
+    # the pair of steps stays within one budget: 64 - 4 decodes - (20 + 10) = 30 rows of b's chunk
+    assert s.schedule().num_scheduled_tokens == {"d0": 1, "d1": 1, "d2": 1, "a": 1, "b": 30}
+    assert s.num_prompt_first_steps == 1
+    # never two prompt-first steps in a row
+    s = HybridScheduler(BlockManager(200, 16), DecodeConfig(), HybridConfig(token_budget=64, prompt_first_rows=10))
+    s.add_request(req("d", 10))
+    step(s, s.schedule())
+    for rid, n in (("a", 20), ("b", 20), ("c", 30)):  # a + b end within 64 - 1 - 10 = 53 rows, c does not
+        s.add_request(req(rid, n))
+    for want in ({"a": 20, "b": 20}, {"d": 1, "a": 1, "b": 1, "c": 11}, {"c": 19}):
+        plan = s.schedule()
+        assert plan.num_scheduled_tokens == want
+        step(s, plan)
+    # a prompt that cannot end within the room shares its step with the decodes, as without the option
+    s = HybridScheduler(BlockManager(200, 16), DecodeConfig(), HybridConfig(token_budget=64, prompt_first_rows=10))
+    s.add_request(req("d", 10))
+    step(s, s.schedule())
+    s.add_request(req("long", 60))  # 60 > 64 - 1 - 10
+    assert s.schedule().num_scheduled_tokens == {"d": 1, "long": 60}
+    with pytest.raises(ValueError, match="prompt_first_rows"):
+        HybridConfig(prompt_first_rows=-1)
+
+
+def test_prompt_first_from_the_command_line_to_the_scheduler():
+    import argparse
+
+    from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config
+    from aserve.config import EngineConfig
+    from aserve.engine.policies import Policies
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    add_cluster_args(p)
+    on = cluster_config(p.parse_args(["--mode", "adaptive", "--prompt-first"]))
+    assert on.prompt_first and not cluster_config(p.parse_args(["--mode", "adaptive"])).prompt_first
+    policies = Policies.from_configs(EngineConfig(max_num_batched_tokens=128), on)
+    assert policies.prompt_first_rows == round(on.placement_step_s / on.placement_prefill_token_s) > 0
+
+
 def test_hybrid_admission_leaves_the_watermark_free_while_others_run():
     # 100 blocks of 16, a 10% watermark: 10 blocks stay free for the running requests' next tokens
     s = HybridScheduler(BlockManager(100, 16), DecodeConfig(), HybridConfig(token_budget=2048, watermark=0.1))

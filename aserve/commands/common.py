@@ -118,6 +118,10 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                         "auto (default): unless a hand-over saves more than it costs, priced with the measured step "
                         "costs; N: unless it runs N decodes more than the least busy decode instance "
                         "(scheduling/placement.py)")
+    g.add_argument("--prompt-first", action=argparse.BooleanOptionalAction, default=False,
+                   help="adaptive: a prompt that ends within the budget its instance's decodes leave runs first, in a "
+                        "step of its own (vLLM's prompt step), instead of sharing its last step with the decodes; "
+                        "their token gap stays within one full step's (scheduling/hybrid.py)")
     g.add_argument("--no-flip-migrate", action="store_true",
                    help="adaptive: a decode instance turning prefill keeps its decodes instead of moving them out "
                         "by KV migration")
@@ -231,7 +235,8 @@ def cluster_config(a: argparse.Namespace):
                          monitor_interval_s=a.monitor_interval, flip=a.flip, flip_window_s=a.flip_window,
                          flip_idle_s=a.flip_idle, flip_band=a.flip_band, flip_dwell_s=a.flip_dwell,
                          flip_cooldown_s=a.flip_cooldown, flip_migrate=not a.no_flip_migrate,
-                         interference=a.interference, keep_margin=a.keep_margin, **placement_costs(a),
+                         interference=a.interference, keep_margin=a.keep_margin, prompt_first=a.prompt_first,
+                         **placement_costs(a),
                          on_failure=a.on_failure,
                          transfer_timeout_s=a.transfer_timeout,
                          transfer_retries=a.transfer_retries, on_transfer_failure=a.on_transfer_failure,

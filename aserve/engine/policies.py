@@ -42,6 +42,7 @@ class Policies:
     batching_config: BatchingConfig = field(default_factory=BatchingConfig)
     adaptive: bool = False  # prefill and decode roles both run the hybrid scheduler
     token_budget: int = 512  # adaptive: rows of one hybrid step (the engine's max_num_batched_tokens)
+    prompt_first_rows: Optional[int] = None  # adaptive: a step's fixed time in prompt rows, if prompts go first
 
     @staticmethod
     def from_configs(engine: EngineConfig, cluster: Optional[ClusterConfig] = None) -> "Policies":
@@ -57,7 +58,8 @@ class Policies:
             decode_config=DecodeConfig(max_running=engine.max_num_seqs, preemption=cluster.preemption,
                                        heavy_threshold=cluster.heavy_threshold),
             batching=engine.batching, batching_config=batching,
-            adaptive=cluster.mode == "adaptive", token_budget=engine.max_num_batched_tokens)
+            adaptive=cluster.mode == "adaptive", token_budget=engine.max_num_batched_tokens,
+            prompt_first_rows=_fixed_rows(cluster) if cluster.prompt_first else None)
 
     def scheduler(self, role: str, blocks: BlockManager, device: Device, clock: Clock) -> Scheduler:
         """The role's scheduler over ``blocks``; swap space is added to ``device`` where the
@@ -70,7 +72,8 @@ class Policies:
                 config = dataclasses.replace(config, num_swap_blocks=device.add_swap_space())
             if self.adaptive:
                 hybrid = HybridConfig(self.token_budget, hand_over=role == "prefill",
-                                      watermark=self.batching_config.watermark)
+                                      watermark=self.batching_config.watermark,
+                                      prompt_first_rows=self.prompt_first_rows)
                 return HybridScheduler(blocks, config, hybrid, clock)
             return registry.get("decode", self.decode)(blocks, config, clock)
         if role == "coupled":
@@ -83,3 +86,8 @@ class Policies:
 
     def dispatcher(self) -> Dispatcher:
         return registry.get("dispatch", self.dispatch)(self.dispatch_config)
+
+
+def _fixed_rows(cluster: ClusterConfig) -> int:
+    """A step's fixed time in prompt rows, from the placement's measured step costs."""
+    return round(cluster.placement_step_s / max(cluster.placement_prefill_token_s, 1e-9))
