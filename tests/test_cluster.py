@@ -38,14 +38,15 @@ async def run_cluster(bundle, cfg, ids, sp=GREEDY, eng=None):
         return [r.output_token_ids for r in reqs], cl
 
 
-PARITY_LENGTHS = [5, 9, 17, 30, 48, 64, 100, 130, 200, 256, 333, 400, 512, 513, 2200]
+PARITY_LENGTHS = [5, 9, 17, 30, 48, 64, 100, 130, 333, 512, 513, 2200]
 
 
 @pytest.fixture(scope="module")
 def parity_want(bundle):
     """Offline greedy answers to the parity prompts: chunk edges (512 / 513), several chunks and one
     prompt past 2,048 tokens; fp32. No more long prompts than that (700 / 900 / 1,200 added nothing
-    the 513 and 2,200 do not cover, and cost a third of the time)."""
+    the 513 and 2,200 do not cover, and cost a third of the time; nor 200 / 256 / 400 beside 333,
+    all one chunk)."""
     ids = prompts(PARITY_LENGTHS)
     want = [c.token_ids for c in LLM(engine(), bundle=bundle).generate(ids, GREEDY)]
     assert all(len(w) == GREEDY.max_tokens for w in want)
@@ -94,15 +95,16 @@ def test_abort_anywhere_frees_blocks(bundle):
 def test_decode_preemption_keeps_greedy_output(bundle, preemption):
     """A decode pool too small for the batch forces preemption; outputs stay the same."""
     ids = prompts([60, 70, 80, 90, 100, 110], seed=2)
-    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     llm = LLM(engine(), bundle=bundle)
     want = [c.token_ids for c in llm.generate(ids, sp)]
-    tiny = EngineConfig(dtype="fp32", kv_cache_gb=48 * 16 * bundle.args.kv_bytes_per_token * 2 / 2**30, swap_gb=0.05)
+    # 40 blocks an instance: each request fits (9 at most), the six together need 44
+    tiny = EngineConfig(dtype="fp32", kv_cache_gb=40 * 16 * bundle.args.kv_bytes_per_token * 2 / 2**30, swap_gb=0.05)
     cfg = ClusterConfig(mode="disagg", preemption=preemption)
     got, cl = asyncio.run(run_cluster(bundle, cfg, ids, sp, eng=tiny))
     assert got == want
     assert cl.instances["d1"].num_preemptions > 0
-    assert cl.instances["d1"].blocks.num_blocks < 60  # really too small for 6 x ~120 tokens
+    assert cl.instances["d1"].blocks.num_blocks < 44  # really too small for 6 x ~110 tokens
 
 
 def test_cli_generate_disagg_equals_offline(capsys):
