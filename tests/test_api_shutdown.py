@@ -108,7 +108,9 @@ async def _under_load_then_sigterm(s: Served):
         longs = [asyncio.create_task(_stream(session, s.url, 4000, ev)) for ev in long_started]
         await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in long_started)), 120)
         short_started = [asyncio.Event() for _ in range(NUM_SHORT)]
-        shorts = [asyncio.create_task(_stream(session, s.url, 12, ev)) for ev in short_started]
+        # short: six tokens end well inside the 3 s drain even at fp32 on a slow hour (twelve did not
+        # once on the AVX2 VM: both streams still decoding when the drain ran out)
+        shorts = [asyncio.create_task(_stream(session, s.url, 6, ev)) for ev in short_started]
         await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in short_started)), 60)
         signalled = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
