@@ -317,3 +317,25 @@ def test_keep_margin_from_the_command_line_to_the_placement():
             p.parse_args(["--mode", "adaptive", "--keep-margin", bad])
     with pytest.raises(ValueError, match="keep_margin must be >= 0, got -1"):
         ClusterConfig(keep_margin=-1)
+
+
+def test_placement_costs_pinned_from_the_command_line_reach_the_placement():
+    """``--placement-costs`` replays a real run's placement prices (its report's config) on sim:,
+    where they would otherwise come from the sim profile; nothing is measured when they are given."""
+    import argparse
+
+    from aserve.cluster.cluster import Cluster
+    from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config
+    from aserve.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    add_cluster_args(p)
+    cfg = cluster_config(p.parse_args(["--mode", "adaptive", "--chunk-size", "128",
+                                       "--placement-costs", "0.0625,0.003,0.0256"]))
+    assert (cfg.placement_step_s, cfg.placement_prefill_token_s, cfg.placement_decode_row_s) == (0.0625, 0.003, 0.0256)
+    placed = Cluster(EngineConfig(), cfg).placement.config
+    assert (placed.step_s, placed.prefill_token_s, placed.decode_row_s) == (0.0625, 0.003, 0.0256)
+    for bad in ("0.1,0.2", "a,b,c", "0.1,-0.2,0.3", "0.1,0.2,0.3,0.4"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--mode", "adaptive", "--placement-costs", bad])

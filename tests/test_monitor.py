@@ -216,6 +216,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_the_monitor_starts_without_torch():
+    """``aserve monitor`` is a client: the command layer and the dashboard import no torch (it cost
+    every monitor start 2-4 s here, before the first frame or a usage error)."""
+    code = ("import sys; from aserve.commands import build_parser; import aserve.monitor.dashboard; "
+            "build_parser().parse_args(['monitor', '--once']); print(sorted(m for m in ('torch', 'model.loader') "
+            "if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
+
+
 def test_malformed_url_is_a_usage_error():
     r = _aserve("monitor", "--url", "localhost:8000", "--once")
     assert r.returncode == 2 and r.stderr.startswith("aserve: error: bad --url"), r.stderr

@@ -26,11 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from model.config import UnsupportedModel
-    from model.loader import ModelNotFound
-
     try:
         return args.func(args) or 0
-    except (ModelNotFound, UnsupportedModel, ValueError, FileNotFoundError) as e:
+    # model.loader's ModelNotFound is a FileNotFoundError, model.config's UnsupportedModel a ValueError:
+    # caught here without importing model.loader, which imports torch (seconds a command like
+    # ``monitor`` never needs)
+    except (ValueError, FileNotFoundError) as e:
         print(f"aserve: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -122,6 +122,10 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                    help="adaptive: a prompt that ends within the budget its instance's decodes leave runs first, in a "
                         "step of its own (vLLM's prompt step), instead of sharing its last step with the decodes; "
                         "their token gap stays within one full step's (scheduling/hybrid.py)")
+    g.add_argument("--placement-costs", type=placement_costs_arg, default=None, metavar="STEP_S,TOKEN_S,ROW_S",
+                   help="adaptive: the step costs placement prices with (a step's fixed seconds, a prompt token's, a "
+                        "decode row's) instead of deriving them from the measured engine (or sim: profile): to "
+                        "replay on sim: the choices a real run made (its report's config has them)")
     g.add_argument("--no-flip-migrate", action="store_true",
                    help="adaptive: a decode instance turning prefill keeps its decodes instead of moving them out "
                         "by KV migration")
@@ -201,11 +205,27 @@ def keep_margin_arg(text: str) -> Optional[int]:
     return int(text)
 
 
+def placement_costs_arg(text: str) -> tuple[float, float, float]:
+    """``--placement-costs``: three seconds >= 0, comma-separated."""
+    parts = text.split(",")
+    try:
+        values = tuple(float(x) for x in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 3 or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected STEP_S,TOKEN_S,ROW_S (three seconds >= 0), got {text!r}")
+    return values
+
+
 def placement_costs(a: argparse.Namespace) -> dict:
-    """Adaptive mode's step costs (scheduling/placement.py) from the measured engine: a step's
-    fixed time, a prompt token's and a decode row's (32 rows at 512 tokens of context)."""
+    """Adaptive mode's step costs (scheduling/placement.py): ``--placement-costs`` if given, else
+    from the measured engine: a step's fixed time, a prompt token's and a decode row's (32 rows at
+    512 tokens of context)."""
     if a.mode != "adaptive":
         return {}
+    if a.placement_costs is not None:
+        step, token, row = a.placement_costs
+        return {"placement_step_s": step, "placement_prefill_token_s": token, "placement_decode_row_s": row}
     cost = measured_engine(a)
     fixed = cost.linear(1)
     return {"placement_step_s": fixed, "placement_prefill_token_s": max(0.0, cost.prefill_s(256) - fixed) / 256,

@@ -30,7 +30,7 @@ from rich.live import Live
 from aserve.monitor.data import Sample, sample_from
 from aserve.monitor.history import History
 from aserve.monitor.view import render
-from aserve.replay.http_target import api_base
+from aserve.replay.urls import api_base
 
 ONCE_TRIES = 3  # --once / --json: attempts before "connection lost"
 COMPACT_BELOW = 30  # terminals with fewer lines get the compact frame

@@ -19,15 +19,8 @@ from typing import Optional, Sequence
 from aserve.replay.driver import SAMPLE_PERIOD_S, ReplayProgress, drive
 from aserve.replay.report import InstanceRecord, RequestRecord, SystemRun
 from aserve.replay.traces import Trace, TraceRequest
+from aserve.replay.urls import api_base
 from aserve.replay.vllm_names import vllm_fields
-
-
-def api_base(url: str) -> str:
-    """``http://host:port`` or ``.../v1`` -> ``http://host:port``."""
-    base = url.rstrip("/")
-    if not base.startswith(("http://", "https://")):
-        raise ValueError(f"bad --url {url!r}: expected http://HOST:PORT")
-    return base[:-3] if base.endswith("/v1") else base
 
 
 class _Stream:
