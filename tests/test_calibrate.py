@@ -126,21 +126,22 @@ def write_log(path, steps) -> None:
 
 
 def test_speed_only_reads_the_machines_speed_off_decode_steps(tmp_path, capsys):
-    """A run in slow minutes: every step 25% over the profile. One number is fitted, read off the
-    decode-only steps, so prompt steps off by something else (a policy's mix) do not move it."""
+    """A run in slow minutes: every step 25% over the profile. One number is fitted; with
+    ``--speed-on decode`` it is read off the decode-only steps, so prompt steps off by something
+    else (a policy's mix) do not move it."""
     from dataclasses import replace
 
     from aserve.commands import EXIT_USAGE, main
 
     steps = synthetic_steps(scaled(TRUE, 1.25), 900, noise=0.03)
-    assert speed(TRUE, steps) == pytest.approx(1.25, rel=0.01)
+    assert speed(TRUE, steps, "decode") == pytest.approx(1.25, rel=0.01)
     odd = [s if s.kind == "decode" else replace(s, seconds=2 * s.seconds) for s in steps]
-    assert speed(TRUE, odd) == pytest.approx(1.25, rel=0.01)
+    assert speed(TRUE, odd, "decode") == pytest.approx(1.25, rel=0.01)
     log, base, out = tmp_path / "steps.jsonl", tmp_path / "base.json", tmp_path / "fast.json"
     write_log(log, steps)
     TRUE.save(base)
     assert main(["profile", "device", "--from-steps", str(log), "--base", str(base), "--out", str(out),
-                 "--speed-only"]) == 0
+                 "--speed-only", "--speed-on", "decode"]) == 0
     assert "every cost x1.2" in capsys.readouterr().out
     got = CostModel.load(out)
     f = got.meta["calibrated"]["speed"]
@@ -151,8 +152,38 @@ def test_speed_only_reads_the_machines_speed_off_decode_steps(tmp_path, capsys):
     assert abs(got.meta["calibrated"]["fitted"]["after"]["all"]["total"]) < 0.01
     write_log(log, [s for s in steps if s.kind != "decode"])
     assert main(["profile", "device", "--from-steps", str(log), "--base", str(base), "--out", str(out),
-                 "--speed-only"]) == EXIT_USAGE
+                 "--speed-only", "--speed-on", "decode"]) == EXIT_USAGE
     assert "no usable decode-only step" in capsys.readouterr().err
+
+
+def test_speed_on_all_steps_is_the_runs_busy_time(tmp_path, capsys):
+    """``--speed-on all`` (the default): summed measured over summed predicted time of every step,
+    so the scaled profile's busy time is the run's, prompt steps included (the decode median
+    ignores them)."""
+    from dataclasses import replace
+
+    from aserve.commands import EXIT_USAGE, main
+
+    steps = synthetic_steps(scaled(TRUE, 1.25), 900, noise=0.03)
+    assert speed(TRUE, steps) == speed(TRUE, steps, "all") == pytest.approx(1.25, rel=0.01)
+    odd = [s if s.kind == "decode" else replace(s, seconds=2 * s.seconds) for s in steps]
+    f = speed(TRUE, odd, "all")
+    assert f > 1.3 and sum(s.seconds for s in odd) == pytest.approx(sum(scaled(TRUE, f).step_s(
+        s.chunks, s.decodes, s.pad, s.neighbours, s.sampled) for s in odd))
+    with pytest.raises(ValueError, match="bad speed statistic 'mean'"):
+        speed(TRUE, steps, "mean")
+    log, base, out = tmp_path / "steps.jsonl", tmp_path / "base.json", tmp_path / "fast.json"
+    write_log(log, odd)
+    TRUE.save(base)
+    assert main(["profile", "device", "--from-steps", str(log), "--base", str(base), "--out", str(out),
+                 "--speed-only"]) == 0
+    got = CostModel.load(out).meta["calibrated"]
+    assert got["speed_on"] == "all" and got["speed"] == pytest.approx(f)
+    assert abs(got["fitted"]["after"]["all"]["total"]) < 1e-9
+    capsys.readouterr()
+    assert main(["profile", "device", "--from-steps", str(log), "--base", str(base), "--out", str(out),
+                 "--speed-on", "decode"]) == EXIT_USAGE
+    assert "give --speed-only too" in capsys.readouterr().err
 
 
 def test_bad_step_logs_and_flags_name_the_problem(tmp_path, capsys):

@@ -29,8 +29,11 @@ def register(subparsers) -> None:
     g.add_argument("--no-contention", dest="fit_contention", action="store_false",
                    help="keep the base's contention instead of fitting it")
     g.add_argument("--speed-only", action="store_true",
-                   help="fit one number, the machine's speed in the logged minutes (the median measured / "
-                        "predicted of the decode-only steps), and scale every cost of the base by it")
+                   help="fit one number, the machine's speed in the logged minutes (--speed-on), and scale every "
+                        "cost of the base by it")
+    g.add_argument("--speed-on", default="all", choices=("all", "decode"),
+                   help="--speed-only's statistic: all (default: summed measured over summed predicted time of every "
+                        "step, the run's busy time) | decode (the median measured / predicted of the decode-only steps)")
     add_engine_args(pd)
     pd.set_defaults(func=cmd_profile_device)
     pt = prsub.add_parser("token-budget", help="the largest Sarathi token budget whose iteration meets a TBT SLO "
@@ -109,6 +112,8 @@ def _calibrate(a: argparse.Namespace) -> int:
         raise ValueError("--from-steps needs --out FILE: where the fitted profile goes")
     if not (a.from_steps or a.check):
         raise ValueError("--base is for --from-steps or --check")
+    if a.speed_on != "all" and not a.speed_only:
+        raise ValueError("--speed-on is --speed-only's statistic: give --speed-only too")
     base = _base_profile(a)
     systems = {s.strip() for s in a.systems.split(",")} if a.systems else None
     steps = read_steps(a.from_steps or (), a.target, systems)
@@ -116,11 +121,11 @@ def _calibrate(a: argparse.Namespace) -> int:
     if not a.from_steps:
         _print_errors(describe(base, base, checks)["fitted"], "the base's error on the --check steps", ("before",))
         return 0
-    factor = speed(base, steps) if a.speed_only else None
+    factor = speed(base, steps, a.speed_on) if a.speed_only else None
     fitted = scaled(base, factor) if a.speed_only else fit(base, steps, a.ridge, fit_contention=a.fit_contention)
     record = describe(fitted, base, steps, checks)
     skipped = len(steps) - len(usable(steps))
-    how = {"speed": factor} if a.speed_only else {"ridge": a.ridge}
+    how = {"speed": factor, "speed_on": a.speed_on} if a.speed_only else {"ridge": a.ridge}
     fitted = replace(fitted, meta={**base.meta, "calibrated": {
         "from_steps": list(a.from_steps), "check": list(a.check or ()), "systems": sorted(systems or ()),
         "target": a.target, **how, "skipped_steps": skipped, "date": date.today().isoformat(), **record}})

@@ -74,14 +74,29 @@ def usable(steps: Sequence[LoggedStep]) -> list[LoggedStep]:
     return [s for s in steps if s.rows > 0 and s.seconds > 0 and not s.swapped]
 
 
-def speed(base: CostModel, steps: Sequence[LoggedStep]) -> float:
-    """How fast the machine ran in the logged minutes against ``base``: the median of measured /
-    predicted over the usable decode-only steps (every policy runs them, so the policy's mix of
-    prompt work does not weigh in). A shared VM drifts by tens of percent over hours, so a profile
-    measured at one time describes another run only at that run's speed."""
+SPEED_ON = ("all", "decode")
+
+
+def speed(base: CostModel, steps: Sequence[LoggedStep], on: str = "all") -> float:
+    """How fast the machine ran in the logged minutes against ``base``. ``on="all"``: summed
+    measured over summed predicted time of every usable step, so the scaled profile's busy time is
+    the run's (where the base's shape is off for some kind of step, that kind's share of the run
+    moves the number). ``on="decode"``: the median of measured / predicted over the usable
+    decode-only steps (every policy runs them, so the policy's mix of prompt work does not weigh
+    in; it validated worse: 18 of 78 cells over against 6, docs/BENCHMARKS.md). A shared VM
+    drifts by tens of percent over hours, so a profile measured at one time describes another run
+    only at that run's speed."""
+    if on not in SPEED_ON:
+        raise ValueError(f"bad speed statistic {on!r}: choose one of {', '.join(SPEED_ON)}")
+    if on == "all":
+        mine = usable(steps)
+        if not mine:
+            raise ValueError("no usable step in the logs to read the speed off")
+        return sum(s.seconds for s in mine) / sum(predict(base, s) for s in mine)
     decodes = [s for s in usable(steps) if s.kind == "decode"]
     if not decodes:
-        raise ValueError("no usable decode-only step in the logs: the speed is read off decode-only steps")
+        raise ValueError("no usable decode-only step in the logs: the speed is read off decode-only steps "
+                         "(--speed-on all reads it off every step)")
     return statistics.median(s.seconds / predict(base, s) for s in decodes)
 
 
