@@ -9,10 +9,15 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.aserve-installed
 ARGS ?=
 # make test leaves out the tests marked long (make test-long runs only them, make test-all everything):
-# CI's make test stays under 15 minutes on a 2-core AVX2 CPU.
+# CI's make test stays under 15 minutes on a 2-core AVX2 CPU. CI then runs a few long ones anyway
+# (make test-ci-long: the engine bench end to end, the CLI's disaggregated generate, the coupled split's
+# parity with offline, swap preemption; about 1.5 minutes here).
 MARKS ?= not long
+CI_LONG ?= tests/test_bench_engine.py tests/test_cluster.py::test_cli_generate_disagg_equals_offline \
+	"tests/test_cluster.py::test_disagg_and_coupled_match_offline[coupled2]" \
+	"tests/test_cluster.py::test_decode_preemption_keeps_greedy_output[swap]"
 
-.PHONY: serve test test-long test-all install predictors bench clean
+.PHONY: serve test test-long test-ci-long test-all install predictors bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +42,9 @@ test: $(STAMP)
 
 test-long: $(STAMP)
 	$(MAKE) test MARKS=long
+
+test-ci-long: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -ra --durations=10 -m long $(CI_LONG) $(ARGS)
 
 test-all: $(STAMP)
 	$(MAKE) test MARKS=

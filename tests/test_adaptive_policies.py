@@ -336,6 +336,6 @@ def test_placement_costs_pinned_from_the_command_line_reach_the_placement():
     assert (cfg.placement_step_s, cfg.placement_prefill_token_s, cfg.placement_decode_row_s) == (0.0625, 0.003, 0.0256)
     placed = Cluster(EngineConfig(), cfg).placement.config
     assert (placed.step_s, placed.prefill_token_s, placed.decode_row_s) == (0.0625, 0.003, 0.0256)
-    for bad in ("0.1,0.2", "a,b,c", "0.1,-0.2,0.3", "0.1,0.2,0.3,0.4"):
+    for bad in ("0.1,0.2", "a,b,c", "0.1,-0.2,0.3", "0.1,0.2,0.3,0.4", "nan,0,0", "0,inf,0"):
         with pytest.raises(SystemExit):
             p.parse_args(["--mode", "adaptive", "--placement-costs", bad])

@@ -8,10 +8,11 @@ import pytest
 from aserve.bench.engine import run_engine_bench
 from aserve.config import EngineConfig
 
-pytestmark = pytest.mark.slow
+# long (20-25 s here): make test leaves it out; CI runs it after make test (make test-ci-long)
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
-@pytest.mark.parametrize("kernels", ["auto", pytest.param("fallback", marks=pytest.mark.long)])
+@pytest.mark.parametrize("kernels", ["auto", "fallback"])
 def test_quick_engine_bench_writes_consistent_figures(tmp_path, kernels):
     out = tmp_path / "bench.json"
     assert run_engine_bench(EngineConfig(kernels=kernels), str(out), quick=True) == 0

@@ -107,6 +107,7 @@ def test_decode_preemption_keeps_greedy_output(bundle, preemption):
     assert cl.instances["d1"].blocks.num_blocks < 44  # really too small for 6 x ~110 tokens
 
 
+@pytest.mark.long  # 16-18 s; test_disagg_and_coupled_match_offline checks the split's tokens; CI runs it (make test-ci-long)
 def test_cli_generate_disagg_equals_offline(capsys):
     from aserve.commands import main
 

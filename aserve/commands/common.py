@@ -212,7 +212,7 @@ def placement_costs_arg(text: str) -> tuple[float, float, float]:
         values = tuple(float(x) for x in parts)
     except ValueError:
         values = ()
-    if len(values) != 3 or min(values) < 0:
+    if len(values) != 3 or not all(0 <= v < float("inf") for v in values):  # NaN fails the comparison too
         raise argparse.ArgumentTypeError(f"expected STEP_S,TOKEN_S,ROW_S (three seconds >= 0), got {text!r}")
     return values
 
