@@ -11,7 +11,7 @@ ARGS ?=
 # make test leaves out the tests marked long (make test-long runs only them, make test-all everything):
 # CI's make test stays under 15 minutes on a 2-core AVX2 CPU. CI then runs a few long ones anyway
 # (make test-ci-long: the engine bench end to end, the CLI's disaggregated generate, the coupled split's
-# parity with offline, swap preemption; about 1.5 minutes here).
+# parity with offline, swap preemption; about 2 minutes here).
 MARKS ?= not long
 CI_LONG ?= tests/test_bench_engine.py tests/test_cluster.py::test_cli_generate_disagg_equals_offline \
 	"tests/test_cluster.py::test_disagg_and_coupled_match_offline[coupled2]" \
