@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from aserve.engine.calibrate import errors, fit, scaled, speed
+from aserve.engine.calibrate import errors, fit, predict, scaled, speed
 from aserve.engine.cost_model import CostModel
 from aserve.engine.step_log import LoggedStep, read_steps
 from tests.step_log_support import check_step_log
@@ -168,8 +168,7 @@ def test_speed_on_all_steps_is_the_runs_busy_time(tmp_path, capsys):
     assert speed(TRUE, steps) == speed(TRUE, steps, "all") == pytest.approx(1.25, rel=0.01)
     odd = [s if s.kind == "decode" else replace(s, seconds=2 * s.seconds) for s in steps]
     f = speed(TRUE, odd, "all")
-    assert f > 1.3 and sum(s.seconds for s in odd) == pytest.approx(sum(scaled(TRUE, f).step_s(
-        s.chunks, s.decodes, s.pad, s.neighbours, s.sampled) for s in odd))
+    assert f > 1.3 and sum(s.seconds for s in odd) == pytest.approx(sum(predict(scaled(TRUE, f), s) for s in odd))
     with pytest.raises(ValueError, match="bad speed statistic 'mean'"):
         speed(TRUE, steps, "mean")
     log, base, out = tmp_path / "steps.jsonl", tmp_path / "base.json", tmp_path / "fast.json"
