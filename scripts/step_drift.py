@@ -19,9 +19,10 @@ as unmatched, not guessed.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import sys
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from aserve.engine import calibrate
 from aserve.engine.cost_model import CostModel
-from aserve.engine.step_log import read_steps
+from aserve.engine.step_log import logged_step
 from aserve.replay.traces import FitOptions, TraceError, load_trace
 
 
@@ -47,11 +48,20 @@ class Step:
 
 def load(path: str, system: str, model: CostModel) -> list[Step]:
     """The system's steps in ``path`` with the model's price for each."""
-    timed = read_steps([path], systems={system})
-    lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
-    raw = [d for d in lines if d.get("system", "") == system]
-    return [Step(d["instance"], d["t"], d["t"] + d["busy_s"], s.chunks, len(s.decodes), s.sampled, s.seconds,
-                 calibrate.predict(model, s)) for d, s in zip(raw, timed)]
+    out = []
+    for k, text in enumerate(Path(path).read_text().splitlines(), 1):
+        if not text.strip():
+            continue
+        try:
+            d = json.loads(text)
+            if d.get("system", "") != system:
+                continue
+            s = logged_step(d)
+            out.append(Step(d["instance"], float(d["t"]), float(d["t"]) + float(d["busy_s"]), s.chunks,
+                            len(s.decodes), s.sampled, s.seconds, calibrate.predict(model, s)))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{k}: not a step-log line ({type(e).__name__}: {e})") from None
+    return out
 
 
 def windows(steps: list[Step], width: float) -> dict[str, list[tuple[float, int, float, float]]]:
@@ -92,21 +102,26 @@ def first_tokens(steps: list[Step], arrivals: list[tuple[float, int]]) -> tuple[
                 finished.append((began, start + n, s.end, s.instance))
             else:
                 open_chunks[(s.instance, start + n)] = began
-    by_instance = defaultdict(list)
-    for s in steps:
-        by_instance[s.instance].append(s)
-    taken = [False] * len(arrivals)
+    # an instance's steps in time order with running sums, so a wait's steps are one slice of them
+    mine: dict[str, tuple[list, list, np.ndarray, np.ndarray]] = {}
+    for instance in {s.instance for s in steps}:
+        own = sorted((s for s in steps if s.instance == instance), key=lambda s: s.t)
+        mine[instance] = ([s.t for s in own], [s.end for s in own], np.cumsum([0.0] + [s.measured for s in own]),
+                          np.cumsum([0.0] + [s.predicted for s in own]))
+    waiting: dict[int, deque] = defaultdict(deque)  # prompt length -> requests in arrival order
+    for i in sorted(range(len(arrivals)), key=lambda i: (arrivals[i][0], i)):
+        waiting[arrivals[i][1]].append(i)
     out = []
     for began, length, first, instance in sorted(finished):
-        match = next((i for i, (a, p) in enumerate(arrivals) if not taken[i] and p == length and a <= began + 1e-3),
-                     None)
-        if match is None:
+        queue = waiting.get(length)
+        if not queue or arrivals[queue[0]][0] > began + 1e-3:
             unmatched += 1
             continue
-        taken[match] = True
+        match = queue.popleft()
         arrival = arrivals[match][0]
-        during = [s for s in by_instance[instance] if s.end > arrival and s.t < first]
-        drift = sum(s.measured for s in during) / max(1e-12, sum(s.predicted for s in during))
+        starts, ends, measured, predicted = mine[instance]
+        lo, hi = bisect.bisect_right(ends, arrival), bisect.bisect_left(starts, first)
+        drift = (measured[hi] - measured[lo]) / max(1e-12, predicted[hi] - predicted[lo])
         out.append(FirstToken(match, arrival, length, instance, first - arrival, drift))
     return out, unmatched + len(open_chunks)
 

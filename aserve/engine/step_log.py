@@ -112,6 +112,13 @@ class LoggedStep:
         return "prefill" if self.chunks else "decode"
 
 
+def logged_step(d: dict, target: str = "forward_s") -> LoggedStep:
+    """One parsed step-log line as the fit reads it (KeyError, ValueError or TypeError if it is not one)."""
+    return LoggedStep(tuple((int(n), int(s)) for n, s in d["chunks"]), tuple(int(c) for c in d["decodes"]),
+                      int(d["pad"]), int(d["sampled"]), float(d[target]), int(d["neighbours"]),
+                      d.get("system", ""), d.get("role", ""), int(d.get("swapped", 0)))
+
+
 def read_steps(paths: Iterable, target: str = "forward_s", systems: Optional[set] = None) -> list[LoggedStep]:
     """Every step of the logs at ``paths`` (of ``systems`` only, if given) with its ``target`` time."""
     if target not in TARGETS:
@@ -126,10 +133,7 @@ def read_steps(paths: Iterable, target: str = "forward_s", systems: Optional[set
             if not text.strip():
                 continue
             try:
-                d = json.loads(text)
-                step = LoggedStep(tuple((int(n), int(s)) for n, s in d["chunks"]), tuple(int(c) for c in d["decodes"]),
-                                  int(d["pad"]), int(d["sampled"]), float(d[target]), int(d["neighbours"]),
-                                  d.get("system", ""), d.get("role", ""), int(d.get("swapped", 0)))
+                step = logged_step(json.loads(text), target)
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{k}: not a step-log line ({type(e).__name__}: {e})") from None
             if systems is None or step.system in systems:
