@@ -185,6 +185,32 @@ def test_speed_on_all_steps_is_the_runs_busy_time(tmp_path, capsys):
     assert "give --speed-only too" in capsys.readouterr().err
 
 
+def test_scale_writes_the_base_at_another_speed(tmp_path, capsys):
+    """``--scale F``: the base with every cost times F, no steps read (a speed sweep's profiles);
+    the base's meta kept, the factor recorded; bad factors and flags named."""
+    from aserve.commands import EXIT_USAGE, main
+
+    base, out = tmp_path / "base.json", tmp_path / "slow.json"
+    TRUE.save(base)
+    assert main(["profile", "device", "--base", str(base), "--scale", "1.05", "--out", str(out)]) == 0
+    assert "every cost x1.05" in capsys.readouterr().out
+    got = CostModel.load(out)
+    assert got.linear_s == pytest.approx([1.05 * y for y in TRUE.linear_s])
+    assert (got.attn_prefill_s, got.attn_decode_s, got.logits_row_s, got.contention) == pytest.approx(
+        (1.05 * TRUE.attn_prefill_s, 1.05 * TRUE.attn_decode_s, 1.05 * TRUE.logits_row_s, TRUE.contention))
+    assert got.meta["scaled"]["by"] == 1.05
+    step = synthetic_steps(TRUE, 1, noise=0.0)[0]
+    assert predict(got, step) == pytest.approx(1.05 * predict(TRUE, step))
+    for argv, why in ((["--scale", "0"], "--scale must be > 0"), (["--scale", "-1"], "--scale must be > 0"),
+                      (["--scale", "1.1", "--speed-only"], "--scale takes no steps"),
+                      ([], "--scale needs --out")):
+        extra = ["--out", str(out)] if why != "--scale needs --out" else ["--scale", "1.1"]
+        assert main(["profile", "device", "--base", str(base), *argv, *extra]) == EXIT_USAGE
+        assert why in capsys.readouterr().err
+    assert main(["profile", "device", "--scale", "1.1", "--out", str(out)]) == EXIT_USAGE
+    assert "need --base" in capsys.readouterr().err
+
+
 def test_bad_step_logs_and_flags_name_the_problem(tmp_path, capsys):
     from aserve.commands import EXIT_USAGE, main
 

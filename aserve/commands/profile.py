@@ -31,6 +31,9 @@ def register(subparsers) -> None:
     g.add_argument("--speed-only", action="store_true",
                    help="fit one number, the machine's speed in the logged minutes (--speed-on), and scale every "
                         "cost of the base by it")
+    g.add_argument("--scale", type=float, default=None, metavar="F",
+                   help="write --base with every cost times F to --out, no steps read (F > 1: a slower machine): "
+                        "a sweep over the speeds a run's minutes give (docs/SIMULATION.md)")
     g.add_argument("--speed-on", default="all", choices=("all", "decode"),
                    help="--speed-only's statistic: all (default: summed measured over summed predicted time of every "
                         "step, the run's busy time) | decode (the median measured / predicted of the decode-only steps)")
@@ -71,11 +74,34 @@ def cmd_profile_device(a: argparse.Namespace) -> int:
 
     from aserve.engine.device_profile import measure_and_save
 
+    if a.scale is not None:
+        return _scale(a)
     if a.from_steps or a.check or a.base:
         return _calibrate(a)
     if a.reps < 1:
         raise ValueError(f"--reps must be >= 1, got {a.reps}")
     measure_and_save(_engine(a), a.threads or os.cpu_count() or 1, a.reps, a.out)
+    return 0
+
+
+def _scale(a: argparse.Namespace) -> int:
+    """--scale F: the base profile at another speed, every cost times F (contention, a ratio, kept)."""
+    from dataclasses import replace
+    from datetime import date
+
+    from aserve.engine.calibrate import scaled
+
+    if not a.scale > 0:
+        raise ValueError(f"--scale must be > 0 (a speed factor), got {a.scale}")
+    if a.from_steps or a.check or a.speed_only:
+        raise ValueError("--scale takes no steps: give it --base and --out alone (--speed-only reads the "
+                         "factor off step logs instead)")
+    if not a.out:
+        raise ValueError("--scale needs --out FILE: where the scaled profile goes")
+    base = _base_profile(a)
+    out = replace(scaled(base, a.scale), meta={**base.meta, "scaled": {"by": a.scale, "date": date.today().isoformat()}})
+    out.save(a.out)
+    print(f"every cost x{a.scale:g} of the base's; wrote {a.out} (use it as --device sim:{a.out})")
     return 0
 
 
@@ -85,7 +111,7 @@ def _base_profile(a: argparse.Namespace):
     from aserve.engine.profile_store import cost_model
 
     if a.base is None:
-        raise ValueError("--from-steps and --check need --base: a cost-model JSON, or 'local'")
+        raise ValueError("--from-steps, --check and --scale need --base: a cost-model JSON, or 'local'")
     if a.base != "local":
         return CostModel.load(a.base)
     if a.threads < 1:
@@ -111,7 +137,7 @@ def _calibrate(a: argparse.Namespace) -> int:
     if a.from_steps and not a.out:
         raise ValueError("--from-steps needs --out FILE: where the fitted profile goes")
     if not (a.from_steps or a.check):
-        raise ValueError("--base is for --from-steps or --check")
+        raise ValueError("--base is for --from-steps, --check or --scale")
     if a.speed_on != "all" and not a.speed_only:
         raise ValueError("--speed-on is --speed-only's statistic: give --speed-only too")
     base = _base_profile(a)
