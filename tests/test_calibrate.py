@@ -201,11 +201,11 @@ def test_scale_writes_the_base_at_another_speed(tmp_path, capsys):
     assert got.meta["scaled"]["by"] == 1.05
     step = synthetic_steps(TRUE, 1, noise=0.0)[0]
     assert predict(got, step) == pytest.approx(1.05 * predict(TRUE, step))
-    for argv, why in ((["--scale", "0"], "--scale must be > 0"), (["--scale", "-1"], "--scale must be > 0"),
-                      (["--scale", "1.1", "--speed-only"], "--scale takes no steps"),
-                      ([], "--scale needs --out")):
-        extra = ["--out", str(out)] if why != "--scale needs --out" else ["--scale", "1.1"]
-        assert main(["profile", "device", "--base", str(base), *argv, *extra]) == EXIT_USAGE
+    for argv, why in ((["--scale", "0", "--out", str(out)], "--scale must be > 0"),
+                      (["--scale", "-1", "--out", str(out)], "--scale must be > 0"),
+                      (["--scale", "1.1", "--speed-only", "--out", str(out)], "--scale takes no steps"),
+                      (["--scale", "1.1"], "--scale needs --out")):
+        assert main(["profile", "device", "--base", str(base), *argv]) == EXIT_USAGE
         assert why in capsys.readouterr().err
     assert main(["profile", "device", "--scale", "1.1", "--out", str(out)]) == EXIT_USAGE
     assert "need --base" in capsys.readouterr().err
