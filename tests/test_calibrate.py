@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from aserve.engine.calibrate import errors, fit, predict, scaled, speed
+from aserve.engine.calibrate import errors, fit, predict, scaled, speed, speed_trace
 from aserve.engine.cost_model import CostModel
 from aserve.engine.step_log import LoggedStep, read_steps
 from tests.step_log_support import check_step_log
@@ -120,7 +120,7 @@ def test_a_sim_replay_logs_its_steps_and_the_fit_refits_its_profile(tmp_path, ca
 
 
 def write_log(path, steps) -> None:
-    keys = ("chunks", "decodes", "pad", "sampled", "neighbours", "swapped")
+    keys = ("chunks", "decodes", "pad", "sampled", "neighbours", "swapped", "t")
     path.write_text("".join(json.dumps({**{k: getattr(s, k) for k in keys}, "forward_s": s.seconds, "busy_s": s.seconds,
                                         "cpu_s": s.seconds, "system": "a"}) + "\n" for s in steps))
 
@@ -183,6 +183,45 @@ def test_speed_on_all_steps_is_the_runs_busy_time(tmp_path, capsys):
     assert main(["profile", "device", "--from-steps", str(log), "--base", str(base), "--out", str(out),
                  "--speed-on", "decode"]) == EXIT_USAGE
     assert "give --speed-only too" in capsys.readouterr().err
+
+
+def test_speed_window_traces_the_runs_minutes(tmp_path, capsys):
+    """``--speed-window S``: per S seconds of one run (by when its steps started), measured over
+    predicted time against the profile at the run's speed. A run 20% slow in its first minute,
+    idle in its second, 10% fast in its third, with 5 steps (too few) in its fourth: the trace is
+    1.2/F, 1.0, 0.9/F, 1.0 for the run's one speed F; it lands in the written profile; one run's
+    steps only, and only with --speed-only."""
+    from dataclasses import replace
+
+    from aserve.commands import EXIT_USAGE, main
+
+    def minute(k: int, n: int, slow: float, seed: int) -> list[LoggedStep]:
+        return [replace(s, seconds=slow * s.seconds, t=60 * k + 60 * i / n)
+                for i, s in enumerate(synthetic_steps(TRUE, n, noise=0.0, seed=seed))]
+
+    steps = minute(0, 200, 1.2, 0) + minute(2, 200, 0.9, 1) + minute(3, 5, 2.0, 2)
+    f = speed(TRUE, steps)
+    trace = speed_trace(scaled(TRUE, f), steps, 60)
+    assert [t for t, _ in trace] == [0, 60, 120, 180]
+    assert [x for _, x in trace] == pytest.approx([1.2 / f, 1.0, 0.9 / f, 1.0])
+    with pytest.raises(ValueError, match="speed window must be > 0"):
+        speed_trace(TRUE, steps, 0)
+    log, base, out = tmp_path / "steps.jsonl", tmp_path / "base.json", tmp_path / "traced.json"
+    write_log(log, steps)
+    TRUE.save(base)
+    args = ["profile", "device", "--from-steps", str(log), "--base", str(base), "--out", str(out)]
+    assert main([*args, "--speed-only", "--speed-window", "60"]) == 0
+    assert "speed trace: 4 windows of 60 s" in capsys.readouterr().out
+    got = CostModel.load(out)
+    assert [t for t, _ in got.speed_trace] == [t for t, _ in trace]
+    assert [x for _, x in got.speed_trace] == pytest.approx([x for _, x in trace])
+    assert got.meta["calibrated"]["speed_window"] == 60
+    assert got.linear_s == pytest.approx(scaled(TRUE, f).linear_s)
+    for argv, why in ((["--speed-window", "60"], "give --speed-only too"),
+                      (["--speed-only", "--speed-window", "0"], "speed window must be > 0"),
+                      (["--speed-only", "--speed-window", "60", "--from-steps", str(log), str(log)], "give one step log")):
+        assert main([*args, *argv]) == EXIT_USAGE
+        assert why in capsys.readouterr().err
 
 
 def test_scale_writes_the_base_at_another_speed(tmp_path, capsys):

@@ -30,10 +30,10 @@ def test_virtual_time_runs_an_hour_in_an_instant():
     assert time.perf_counter() - wall < 1.0
 
 
-def replay_sim(tmp_path, trace: list[dict], *flags: str, name: str = "out") -> dict:
+def replay_sim(tmp_path, trace: list[dict], *flags: str, name: str = "out", cost: CostModel = FLAT) -> dict:
     from aserve.commands import main
 
-    (tmp_path / "flat.json").write_text(json.dumps(FLAT.to_json()))
+    (tmp_path / "flat.json").write_text(json.dumps(cost.to_json()))
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in trace))
     out = tmp_path / f"{name}.json"
@@ -56,6 +56,31 @@ def test_a_small_replay_matches_hand_computed_step_times(tmp_path):
     assert s["ttft"]["mean"] == pytest.approx(((0.030 - 0) + (0.060 - 0.035)) / 2)
     assert s["jct"]["mean"] == pytest.approx(((0.060 - 0) + (0.071 - 0.035)) / 2)
     assert s["resource_usage_s"] == pytest.approx(0.030 + 0.011 + 0.019 + 0.011)
+
+
+def test_a_speed_trace_slows_the_steps_that_start_in_its_window(tmp_path):
+    """The replay above on a profile whose speed trace doubles every cost from 35 ms after the
+    first step: [a:20] 30 ms and [a:1] 11 ms as before (they start at 0 and 0.030); [a:1, b:8]
+    starts at 0.041, in the slow window: 38 ms -> a done and b's first token at 0.079; [b:1]
+    22 ms -> b done at 0.101. Without a trace the file has no such key (profiles as before)."""
+    from dataclasses import replace
+
+    assert "speed_trace" not in FLAT.to_json()
+    traced = replace(FLAT, speed_trace=((0.0, 1.0), (0.035, 2.0)))
+    assert CostModel.from_json(json.loads(json.dumps(traced.to_json()))) == traced
+    assert [traced.speed_at(t) for t in (-1, 0, 0.0349, 0.035, 100)] == [1.0, 1.0, 1.0, 2.0, 2.0]
+    for bad in (((1.0, 1.0), (0.5, 1.0)), ((0.0, 1.0), (0.0, 2.0)), ((0.0, 0.0),)):
+        with pytest.raises(ValueError, match="speed trace"):
+            replace(FLAT, speed_trace=bad)
+    report = replay_sim(tmp_path, [{"timestamp": 0.0, "prompt_tokens": 20, "output_tokens": 3},
+                                   {"timestamp": 0.035, "prompt_tokens": 8, "output_tokens": 2}],
+                        "--mode", "coupled", "--instances", "1", "--batching", "sarathi",
+                        "--max-num-batched-tokens", "64", "--predictor", "none", cost=traced)
+    (s,) = report["systems"].values()
+    assert s["completed"] == 2 and s["output_tokens"] == 5
+    assert s["ttft"]["mean"] == pytest.approx(((0.030 - 0) + (0.079 - 0.035)) / 2)
+    assert s["jct"]["mean"] == pytest.approx(((0.079 - 0) + (0.101 - 0.035)) / 2)
+    assert s["resource_usage_s"] == pytest.approx(0.030 + 0.011 + 0.038 + 0.022)
 
 
 def test_disaggregated_sim_replay_is_deterministic_and_charges_the_link(tmp_path):

@@ -37,6 +37,9 @@ def register(subparsers) -> None:
     g.add_argument("--speed-on", default="all", choices=("all", "decode"),
                    help="--speed-only's statistic: all (default: summed measured over summed predicted time of every "
                         "step, the run's busy time) | decode (the median measured / predicted of the decode-only steps)")
+    g.add_argument("--speed-window", type=float, default=None, metavar="S",
+                   help="with --speed-only and one system's steps: also the speed of each S seconds of its run, "
+                        "against the scaled profile (a speed trace a simulated device replays: the VM's drift)")
     add_engine_args(pd)
     pd.set_defaults(func=cmd_profile_device)
     pt = prsub.add_parser("token-budget", help="the largest Sarathi token budget whose iteration meets a TBT SLO "
@@ -131,7 +134,7 @@ def _calibrate(a: argparse.Namespace) -> int:
     from dataclasses import replace
     from datetime import date
 
-    from aserve.engine.calibrate import describe, fit, scaled, speed, usable
+    from aserve.engine.calibrate import describe, fit, scaled, speed, speed_trace, usable
     from aserve.engine.step_log import read_steps
 
     if a.from_steps and not a.out:
@@ -140,24 +143,37 @@ def _calibrate(a: argparse.Namespace) -> int:
         raise ValueError("--base is for --from-steps, --check or --scale")
     if a.speed_on != "all" and not a.speed_only:
         raise ValueError("--speed-on is --speed-only's statistic: give --speed-only too")
+    if a.speed_window is not None and not a.speed_only:
+        raise ValueError("--speed-window is --speed-only's trace: give --speed-only too")
     base = _base_profile(a)
     systems = {s.strip() for s in a.systems.split(",")} if a.systems else None
     steps = read_steps(a.from_steps or (), a.target, systems)
+    if a.speed_window is not None and (len(a.from_steps or ()) > 1 or len({s.system for s in steps}) > 1):
+        raise ValueError("--speed-window reads one run's minutes: give one step log and one system of it "
+                         "(--systems S)")
     checks = read_steps(a.check or (), a.target, systems)
     if not a.from_steps:
         _print_errors(describe(base, base, checks)["fitted"], "the base's error on the --check steps", ("before",))
         return 0
     factor = speed(base, steps, a.speed_on) if a.speed_only else None
     fitted = scaled(base, factor) if a.speed_only else fit(base, steps, a.ridge, fit_contention=a.fit_contention)
+    if a.speed_window is not None:
+        fitted = replace(fitted, speed_trace=speed_trace(fitted, steps, a.speed_window))
     record = describe(fitted, base, steps, checks)
     skipped = len(steps) - len(usable(steps))
     how = {"speed": factor, "speed_on": a.speed_on} if a.speed_only else {"ridge": a.ridge}
+    if a.speed_window is not None:
+        how["speed_window"] = a.speed_window
     fitted = replace(fitted, meta={**base.meta, "calibrated": {
         "from_steps": list(a.from_steps), "check": list(a.check or ()), "systems": sorted(systems or ()),
         "target": a.target, **how, "skipped_steps": skipped, "date": date.today().isoformat(), **record}})
     fitted.save(a.out)
     if a.speed_only:
         print(f"speed in the logged minutes: every cost x{factor:.3f} of the base's")
+    if fitted.speed_trace:
+        factors = [f for _, f in fitted.speed_trace]
+        print(f"speed trace: {len(factors)} windows of {a.speed_window:g} s, x{min(factors):.3f} to x{max(factors):.3f} "
+              f"of that (a simulated device multiplies each step by its window's factor)")
     else:
         _print_fit(base, fitted, skipped)
     held = sum(s.seconds for s in read_steps(a.from_steps, "busy_s", systems))

@@ -100,6 +100,30 @@ def speed(base: CostModel, steps: Sequence[LoggedStep], on: str = "all") -> floa
     return statistics.median(s.seconds / predict(base, s) for s in decodes)
 
 
+def speed_trace(model: CostModel, steps: Sequence[LoggedStep], window_s: float,
+                min_steps: int = 10) -> tuple[tuple[float, float], ...]:
+    """How fast the machine ran in each ``window_s`` of one logged replay against ``model``:
+    per window (by when its steps started), summed measured over summed predicted time of its
+    usable steps; a window with fewer than ``min_steps`` of them (or none) keeps 1.0. Against a model
+    already at the run's speed (``scaled`` by ``speed``), the factors average 1 weighted by
+    predicted time: they move the run's time between its minutes, not its total."""
+    if not window_s > 0:
+        raise ValueError(f"a speed window must be > 0 seconds, got {window_s}")
+    sums: dict[int, list] = {}
+    for s in usable(steps):
+        acc = sums.setdefault(int(s.t // window_s), [0.0, 0.0, 0])
+        acc[0] += s.seconds
+        acc[1] += predict(model, s)
+        acc[2] += 1
+    if not sums:
+        raise ValueError("no usable step in the logs to read a speed trace off")
+    trace = []
+    for k in range(min(sums), max(sums) + 1):  # a window without steps keeps 1.0 too
+        m, p, n = sums.get(k, (0.0, 0.0, 0))
+        trace.append((k * window_s, m / p if n >= min_steps and p > 0 else 1.0))
+    return tuple(trace)
+
+
 def scaled(base: CostModel, factor: float) -> CostModel:
     """``base`` with every cost times ``factor`` (contention, a ratio, unchanged)."""
     return replace(base, linear_s=tuple(y * factor for y in base.linear_s), attn_prefill_s=base.attn_prefill_s * factor,

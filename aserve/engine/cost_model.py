@@ -17,6 +17,12 @@ products: no straight line fits both); the two attention terms are per pair and 
 context read. ``contention`` is how much slower a step runs while another instance on the same
 memory bus is busy (this machine's two cores share one): ``t · (1 + contention)``.
 
+``speed_trace`` (empty unless asked for) is how fast the machine ran minute by minute in one
+logged replay, as ((seconds after the start, factor), ...): a simulated device multiplies a step
+that starts in a window by its factor (aserve/engine/sim_device.py), so a validation can replay a
+shared VM's drift instead of one number for the whole run (``aserve profile device --speed-window``).
+The settings derived below never read it.
+
 Measured by ``aserve profile device`` (aserve/engine/device_profile.py) on the real engine, or
 written by hand from published hardware figures (a simulated V100), as JSON.
 """
@@ -39,6 +45,7 @@ class CostModel:
     contention: float = 0.0  # fraction slower while another instance on the bus is busy
     meta: dict = field(default_factory=dict)  # what was measured: model, device, dtype, threads, machine, date
     logits_row_s: float = 0.0  # seconds of one row's logits, part of linear(T); rows that sample none save it
+    speed_trace: tuple[tuple[float, float], ...] = ()  # (window start s, factor), ascending; () = one speed
 
     def __post_init__(self):
         if len(self.tokens) != len(self.linear_s) or not self.tokens:
@@ -48,6 +55,15 @@ class CostModel:
         if min(self.linear_s) < 0 or self.attn_prefill_s < 0 or self.attn_decode_s < 0 or self.contention < 0 \
                 or self.logits_row_s < 0:
             raise ValueError("step costs must be >= 0")
+        starts = [t for t, _ in self.speed_trace]
+        if starts != sorted(set(starts)) or any(not f > 0 for _, f in self.speed_trace):
+            raise ValueError(f"a speed trace needs ascending window starts and factors > 0, got {self.speed_trace}")
+
+    def speed_at(self, seconds: float) -> float:
+        """The speed trace's factor ``seconds`` after the start: its last window starting at or
+        before then (1.0 before the first window, or with no trace)."""
+        i = bisect.bisect_right([t for t, _ in self.speed_trace], seconds)
+        return self.speed_trace[i - 1][1] if i else 1.0
 
     # ---- the pieces -------------------------------------------------------------------------------
     def linear(self, num_rows: int) -> float:
@@ -124,15 +140,21 @@ class CostModel:
 
     # ---- files --------------------------------------------------------------------------------------
     def to_json(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if not self.speed_trace:
+            del data["speed_trace"]  # one speed: the file as before traces existed
+        return data
 
     @staticmethod
     def from_json(data: dict) -> "CostModel":
-        known = {"tokens", "linear_s", "attn_prefill_s", "attn_decode_s", "contention", "logits_row_s", "meta"}
+        known = {"tokens", "linear_s", "attn_prefill_s", "attn_decode_s", "contention", "logits_row_s", "meta",
+                 "speed_trace"}
         missing = {"tokens", "linear_s", "attn_prefill_s", "attn_decode_s"} - set(data)
         if missing:
             raise ValueError(f"a cost model needs {', '.join(sorted(missing))}")
         args = {k: v for k, v in data.items() if k in known}
+        if "speed_trace" in args:
+            args["speed_trace"] = tuple((float(t), float(f)) for t, f in args["speed_trace"])
         return CostModel(tokens=tuple(int(t) for t in args.pop("tokens")),
                          linear_s=tuple(float(x) for x in args.pop("linear_s")), **args)
 

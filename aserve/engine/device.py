@@ -44,6 +44,7 @@ class CoreShare:
     cores: int = 1
     live: int = 1
     busy: set = field(default_factory=set)  # devices stepping right now (simulated ones read it: a shared bus)
+    first_step_at: Optional[float] = None  # loop time of the first step any of them took (a speed trace's zero)
 
     def slowdown(self) -> float:
         """How much slower than one borrowed core each instance's emulated device is (>= 1)."""

@@ -1,8 +1,9 @@
 """A simulated device: a step takes its cost model's time on the loop's clock; no tensors.
 
     Instance ──StepPlan──► SimDevice.execute: t = cost.plan_s(plan) x (1 + contention if a
-                           neighbour on the same bus is stepping); await sleep(t); a token for
-                           every row that samples one (replays end each request at its trace length)
+                           neighbour on the same bus is stepping) [x the speed trace's factor for
+                           the window it starts in, if the profile has one]; await sleep(t); a token
+                           for every row that samples one (replays end each request at its trace length)
 
 ``--device sim:PROFILE`` picks the profile:
 
@@ -107,7 +108,13 @@ class SimDevice(Device):
 
     async def _execute(self, plan: StepPlan) -> StepOutput:
         neighbours = len(self.share.busy - {self.name})
-        seconds = self.profile.cost.plan_s(plan, neighbours)
+        cost = self.profile.cost
+        seconds = cost.plan_s(plan, neighbours)
+        if cost.speed_trace:  # the logged run's speed in this step's window, counted from the first step
+            now = asyncio.get_running_loop().time()
+            if self.share.first_step_at is None:
+                self.share.first_step_at = now
+            seconds *= cost.speed_at(now - self.share.first_step_at)
         self.share.busy.add(self.name)
         try:
             await asyncio.sleep(seconds)

@@ -99,6 +99,7 @@ class LoggedStep:
     system: str = ""
     role: str = ""
     swapped: int = 0
+    t: float = 0.0  # when it started, seconds after its system's start (a speed trace's windows)
 
     @property
     def rows(self) -> int:
@@ -116,7 +117,7 @@ def logged_step(d: dict, target: str = "forward_s") -> LoggedStep:
     """One parsed step-log line as the fit reads it (KeyError, ValueError or TypeError if it is not one)."""
     return LoggedStep(tuple((int(n), int(s)) for n, s in d["chunks"]), tuple(int(c) for c in d["decodes"]),
                       int(d["pad"]), int(d["sampled"]), float(d[target]), int(d["neighbours"]),
-                      d.get("system", ""), d.get("role", ""), int(d.get("swapped", 0)))
+                      d.get("system", ""), d.get("role", ""), int(d.get("swapped", 0)), float(d.get("t", 0.0)))
 
 
 def read_steps(paths: Iterable, target: str = "forward_s", systems: Optional[set] = None) -> list[LoggedStep]:
