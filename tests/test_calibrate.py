@@ -179,7 +179,8 @@ def test_speed_on_all_steps_is_the_runs_busy_time(tmp_path, capsys):
     got = CostModel.load(out).meta["calibrated"]
     assert got["speed_on"] == "all" and got["speed"] == pytest.approx(f)
     assert abs(got["fitted"]["after"]["all"]["total"]) < 1e-9
-    capsys.readouterr()
+    out_text = capsys.readouterr().out
+    assert "every cost x" in out_text and "linear table" not in out_text and "speed trace" not in out_text
     assert main(["profile", "device", "--from-steps", str(log), "--base", str(base), "--out", str(out),
                  "--speed-on", "decode"]) == EXIT_USAGE
     assert "give --speed-only too" in capsys.readouterr().err
@@ -211,7 +212,8 @@ def test_speed_window_traces_the_runs_minutes(tmp_path, capsys):
     TRUE.save(base)
     args = ["profile", "device", "--from-steps", str(log), "--base", str(base), "--out", str(out)]
     assert main([*args, "--speed-only", "--speed-window", "60"]) == 0
-    assert "speed trace: 4 windows of 60 s" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "speed trace: 4 windows of 60 s" in out_text and "linear table" not in out_text  # nothing fitted
     got = CostModel.load(out)
     assert [t for t, _ in got.speed_trace] == [t for t, _ in trace]
     assert [x for _, x in got.speed_trace] == pytest.approx([x for _, x in trace])

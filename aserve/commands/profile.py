@@ -170,10 +170,10 @@ def _calibrate(a: argparse.Namespace) -> int:
     fitted.save(a.out)
     if a.speed_only:
         print(f"speed in the logged minutes: every cost x{factor:.3f} of the base's")
-    if fitted.speed_trace:
-        factors = [f for _, f in fitted.speed_trace]
-        print(f"speed trace: {len(factors)} windows of {a.speed_window:g} s, x{min(factors):.3f} to x{max(factors):.3f} "
-              f"of that (a simulated device multiplies each step by its window's factor)")
+        if fitted.speed_trace:
+            factors = [f for _, f in fitted.speed_trace]
+            print(f"speed trace: {len(factors)} windows of {a.speed_window:g} s, x{min(factors):.3f} to "
+                  f"x{max(factors):.3f} of that (a simulated device multiplies each step by its window's factor)")
     else:
         _print_fit(base, fitted, skipped)
     held = sum(s.seconds for s in read_steps(a.from_steps, "busy_s", systems))
