@@ -62,7 +62,7 @@ class CostModel:
     def speed_at(self, seconds: float) -> float:
         """The speed trace's factor ``seconds`` after the start: its last window starting at or
         before then (1.0 before the first window, or with no trace)."""
-        i = bisect.bisect_right([t for t, _ in self.speed_trace], seconds)
+        i = bisect.bisect_right(self.speed_trace, seconds, key=lambda window: window[0])  # no list a step
         return self.speed_trace[i - 1][1] if i else 1.0
 
     # ---- the pieces -------------------------------------------------------------------------------
