@@ -110,7 +110,7 @@ class ClusterConfig:
     placement_step_s: float = 0.01  # fixed seconds of a step
     placement_prefill_token_s: float = 1e-3  # seconds a prompt token adds to a step
     placement_decode_row_s: float = 1e-3  # seconds a decode row adds to a step
-    interference: float = 0.3  # weight of running decodes' slowdown against a prompt's wait
+    interference: float = 0.2  # weight of running decodes' slowdown against a prompt's wait
     keep_margin: Optional[int] = None  # None: keep unless a hand-over pays (priced); N: unless it decodes N more
     prompt_first: bool = False  # adaptive: prompts that end within the budget run in a step of their own
     on_failure: str = "rerun"  # rerun | error: what happens to a failed instance's requests

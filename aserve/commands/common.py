@@ -110,7 +110,7 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
             ("--flip-dwell", 0.0, "ratio flips: seconds an instance keeps a role before it may flip again "
                                   "(0: --flip-window)"),
             ("--flip-cooldown", 0.0, "ratio flips: seconds between two flips anywhere (0: --flip-window)"),
-            ("--interference", 0.3, "adaptive placement: weight of the running decodes' slowdown against a "
+            ("--interference", 0.2, "adaptive placement: weight of the running decodes' slowdown against a "
                                     "prompt's own wait (scheduling/placement.py)")):
         g.add_argument(flag, type=float, default=default, help=what)
     g.add_argument("--keep-margin", type=keep_margin_arg, default=None, metavar="auto|N",
