@@ -113,6 +113,8 @@ class ClusterConfig:
     interference: float = 0.2  # weight of running decodes' slowdown against a prompt's wait
     keep_margin: Optional[int] = None  # None: keep unless a hand-over pays (priced); N: unless it decodes N more
     prompt_first: bool = False  # adaptive: prompts that end within the budget run in a step of their own
+    rebalance: bool = True  # adaptive: with no prompt queued, decodes move to the least busy instance by KV
+    rebalance_quiet_s: float = 10.0  # ... only once no request has arrived for this long
     on_failure: str = "rerun"  # rerun | error: what happens to a failed instance's requests
     transfer_timeout_s: float = 30.0  # a KV transfer slower than this is retried elsewhere
     transfer_retries: int = 2  # retries on other decode instances before on_transfer_failure applies
@@ -164,6 +166,8 @@ class ClusterConfig:
             raise ValueError(f"bad device_share {self.device_share!r}: shared or dedicated")
         if self.transfer_retries < 0:
             raise ValueError(f"transfer_retries must be >= 0, got {self.transfer_retries}")
+        if self.rebalance_quiet_s < 0:
+            raise ValueError(f"rebalance_quiet_s must be >= 0, got {self.rebalance_quiet_s}")
         if self.keep_margin is not None and self.keep_margin < 0:
             raise ValueError(f"keep_margin must be >= 0, got {self.keep_margin}")
         kind, sep, address = self.backend.partition(":")

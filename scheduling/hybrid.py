@@ -10,6 +10,7 @@ only where a finished prompt's KV goes and how the global placement ranks the in
         decode role  ─► it decodes here: its KV never moves
         prefill role ─► finished_prefills ─► release (KV handed over) | keep (decodes here)
     mark_migrating ─► after its next token ─► finished_prefills ─► release (moved elsewhere)
+                                                                   | keep (it did not move)
 
 A step is Sarathi-Serve's stall-free iteration over a decode instance's queues: every running
 decode first, one row each, then the next chunks of admitted prompts in admission order within
@@ -184,12 +185,17 @@ class HybridScheduler(DecodeScheduler):
         request.status = Status.RUNNING
         self._running.append(request)
 
-    def mark_migrating(self) -> list[str]:
-        """Every running decode leaves after its next token (a flip to prefill moves them by KV
-        migration); prompts still being prefilled stay. Returns the ids marked."""
-        ids = [r.request_id for r in self._running if _left(r) == 1]
+    def mark_migrating(self, request_ids: Optional[Collection[str]] = None) -> list[str]:
+        """Every running decode (those of ``request_ids`` only, if given) leaves after its next
+        token (a flip to prefill, or a rebalance, moves them by KV migration); prompts still
+        being prefilled stay. Returns the ids marked."""
+        ids = [r.request_id for r in self.running_decodes() if request_ids is None or r.request_id in request_ids]
         self._migrating.update(ids)
         return ids
+
+    def running_decodes(self) -> Iterator[Request]:
+        """Running requests that take one decode row a step and are not already leaving."""
+        return (r for r in self._running if _left(r) == 1 and r.request_id not in self._migrating)
 
     def unstarted(self) -> Iterator[Request]:
         """The waiting prompts no step has touched (they hold no KV), oldest first; lazily, so a

@@ -36,6 +36,16 @@ row costs (this CPU) it keeps unless the batches differ. An integer ``keep_margi
 margin``) keeps instead while the instance runs fewer than that many decodes more than the least
 busy decode instance: round 1's rule, kept for comparison.
 
+``rebalance_count``: once requests stop arriving and no prompt is queued anywhere, an instance's
+running decodes may move to a less busy instance of either role (an idle prefill instance's core
+would otherwise sit out the tail), by the same KV migration a flip uses (the cluster decides when). Each move is priced with ``handover_gain_s``
+(its expected remaining output for L), one at a time, the two loads updated after each, so the
+batches even out and a move that saves less than it costs is not made. A move to an idle
+instance also wakes it: it runs L steps it would not have run, L · step_s of busy time (what
+perf/$ counts), so that move must save more than that too: 2 · (decodes_src - 1) · decode_row_s
+> step_s, roughly. On this CPU (a row ~0.3 of a step) three decodes are enough; on a V100 with
+OPT-13B (a row ~3% of a step) it takes twenty.
+
 The default ``interference`` 0.2 comes from real pairs against sarathi on all six workloads and a
 sweep at sarathi's own minutes on ``sim:`` (docs/BENCHMARKS.md, "The other four workloads at
 ``--interference 0.2``"): 0.3, the default before, missed sarathi's P99 token gap by 3-4% on three
@@ -44,7 +54,7 @@ at the price of TTFT (HPLD 3.9 s against coupled 2.6 s), 0 cost JCT.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from scheduling.block_manager import blocks_needed
@@ -146,3 +156,21 @@ class Placement:
         if self.config.keep_margin is not None:
             return all(src.num_decodes < ld.num_decodes + self.config.keep_margin for ld in decode_loads)
         return all(self.handover_gain_s(src, ld, expected_tokens) <= 0 for ld in room)
+
+    def rebalance_count(self, src: EntryLoad, dst: EntryLoad, moves: Sequence[tuple[float, int]]) -> int:
+        """How many of ``moves`` (each: a running decode's expected remaining output and the
+        blocks its KV needs, best first) go from ``src`` (whose ``num_decodes`` counts them) to
+        ``dst``: while each one's hand-over gain, with the loads as the moves before it left them
+        and its neighbours for ``src``, is positive (larger than the busy time it adds where
+        ``dst`` is idle) and ``dst`` has the blocks. Only between instances with no prompt queued (``prompt_work_s`` is then 0)."""
+        n = 0
+        for expected, need in moves:
+            others = replace(src, num_decodes=src.num_decodes - 1)  # its neighbours, without it
+            # an idle receiver runs steps it would not have run: its fixed cost, every token
+            woken = expected * self.config.step_s if dst.num_decodes == 0 and dst.queued_tokens == 0 else 0.0
+            if need > dst.free_blocks or self.handover_gain_s(others, dst, expected) <= woken:
+                break
+            n += 1
+            src = replace(src, num_decodes=src.num_decodes - 1, free_blocks=src.free_blocks + need)
+            dst = replace(dst, num_decodes=dst.num_decodes + 1, free_blocks=dst.free_blocks - need)
+        return n

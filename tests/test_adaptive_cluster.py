@@ -3,6 +3,7 @@ prompts prefilled on either role give the offline engine's tokens, a replay of a
 every request with every block back, and a flip migrates a decode instance's running requests by
 their KV to another decode instance without changing a token."""
 import asyncio
+from dataclasses import replace
 
 import pytest
 import torch
@@ -89,3 +90,62 @@ def test_flip_migrates_decodes_by_kv_and_keeps_greedy_output(default_bundle_fp32
     assert record["drain_s"] == 0.0 and record["flip_s"] < 0.05  # no drain: the switch is immediate
     assert record["migrated"] > 0, record  # its running decodes left by KV hand-over
     assert moved > 0 and counts["reruns"] == 0 and counts["transfer_recomputes"] == 0
+
+
+# every prefill hands over (keep margin 0) and prompts go to the prefill instance first: once the
+# queue is empty the decode instance holds every decode and the prefill instance none; no quiet
+# time: the burst is all there is
+SP_LONG = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+HAND_OVER = ClusterConfig(mode="adaptive", num_prefill=1, num_decode=1, keep_margin=0, interference=1e6,
+                          rebalance_quiet_s=0.0)
+
+
+@pytest.fixture(scope="module")
+def offline_long(default_bundle_fp32):
+    ids = prompts(8, seed=11)
+    return ids, [c.token_ids for c in LLM(ENGINE, bundle=default_bundle_fp32).generate(ids, SP_LONG)]
+
+
+@pytest.mark.parametrize("rebalance,quiet_s", [(True, 0.0), (True, 1e6), (False, 0.0)])
+def test_rebalance_moves_decodes_to_the_idle_instance_without_changing_a_token(default_bundle_fp32, offline_long,
+                                                                               rebalance, quiet_s):
+    """Off, or while requests arrived within the quiet time, the prefill instance takes none."""
+    ids, want = offline_long
+    cfg = replace(HAND_OVER, rebalance=rebalance, rebalance_quiet_s=quiet_s)
+
+    async def main():
+        async with Cluster(ENGINE, cfg, bundle=default_bundle_fp32) as cl:
+            check(await stream_all(cl, ids, SP_LONG), want)
+            await settled(cl, cl.instances)
+            into_p0 = sum(link.stats()["bytes"] for (_, dst), link in cl.handoff.links.items() if dst == "p0")
+            return into_p0, cl.all_counts()
+
+    into_p0, counts = asyncio.run(main())
+    assert counts["finished"] == 8 and counts["reruns"] == 0 and counts["transfer_recomputes"] == 0
+    if rebalance and not quiet_s:  # decodes left d1 for the idle prefill instance by their KV
+        assert counts["migrations"] > 0 and into_p0 > 0, counts
+    else:
+        assert counts["migrations"] == 0 and into_p0 == 0, counts
+
+
+def test_a_failed_rebalance_copy_leaves_the_decode_where_it_was(default_bundle_fp32, offline_long):
+    ids, want = offline_long
+
+    async def main():
+        async with Cluster(ENGINE, HAND_OVER, bundle=default_bundle_fp32) as cl:
+            rebalance = cl._rebalance
+
+            def drill():  # the first batch of moves meets a failing link (the hand-over's fault drill)
+                before = set(cl._moving)
+                rebalance()
+                if cl._moving.keys() - before and not cl.handoff.counts["migrations_kept"]:
+                    cl.handoff.inject_faults(len(cl._moving.keys() - before))
+
+            cl._rebalance = drill
+            check(await stream_all(cl, ids, SP_LONG), want)
+            await settled(cl, cl.instances)
+            return cl.all_counts()
+
+    counts = asyncio.run(main())
+    assert counts["migrations_kept"] > 0 and counts["transfer_failures"] > 0, counts
+    assert counts["finished"] == 8 and counts["reruns"] == 0 and counts["transfer_recomputes"] == 0

@@ -89,6 +89,30 @@ def test_keep_or_hand_over_priced():
     assert free_rows.keep_local(load("p0", "prefill", decodes=6), [load("d1", "decode", decodes=1)], 4, 300)
 
 
+def test_rebalance_moves_decodes_until_the_batches_even_out():
+    # 10 decodes against 0, each with 100 tokens to go: each move saves 2·(10-0)·1 ms a token less
+    # the 10+ ms gap; after 5 the two batches are even and a sixth would only cost
+    src, dst = load("d1", "decode", decodes=10), load("p0", "prefill", decodes=0)
+    assert PLACE.rebalance_count(src, dst, [(100, 4)] * 10) == 5
+    # best first: a decode with one token left does not pay its gap, and stops the moves there
+    assert PLACE.rebalance_count(src, dst, [(100, 4), (100, 4), (1, 4), (100, 4)]) == 2
+    # no more than the receiver's free blocks
+    assert PLACE.rebalance_count(src, load("p0", "prefill", decodes=0, free=9), [(100, 4)] * 10) == 2
+    # one apart: nothing to even out
+    assert PLACE.rebalance_count(load("d1", "decode", decodes=3), load("d2", "decode", decodes=2), [(500, 4)] * 3) == 0
+    # where a row costs nothing a move saves nothing
+    free_rows = Placement(PlacementConfig(step_s=0.04, prefill_token_s=2e-4, decode_row_s=0.0))
+    assert free_rows.rebalance_count(src, dst, [(500, 4)] * 10) == 0
+    # waking an idle instance adds its steps' fixed cost: 3 decodes against none do not pay it,
+    # 4 against one busy instance's 1 move one (its steps run anyway)
+    assert PLACE.rebalance_count(load("d1", "decode", decodes=3), dst, [(100, 4)] * 3) == 0
+    assert PLACE.rebalance_count(load("d1", "decode", decodes=4), load("d2", "decode", decodes=1), [(100, 4)] * 4) == 1
+    # a V100-like step (a row 3% of it): ten decodes do not wake an idle instance, thirty do
+    v100 = Placement(PlacementConfig(token_budget=1104, step_s=0.038, prefill_token_s=4e-4, decode_row_s=1e-3))
+    assert v100.rebalance_count(src, dst, [(200, 4)] * 10) == 0
+    assert v100.rebalance_count(load("d1", "decode", decodes=30), dst, [(200, 4)] * 30) > 0
+
+
 def test_placement_config_names_the_bad_field():
     with pytest.raises(ValueError, match="prefill_token_s"):
         PlacementConfig(prefill_token_s=-1.0)
@@ -254,6 +278,21 @@ def test_migrating_decodes_leave_after_their_next_token():
     assert s.running_ids == ["p"]
 
 
+def test_rebalance_marks_only_the_decodes_it_names():
+    s = HybridScheduler(BlockManager(100, 16), DecodeConfig(), HybridConfig(token_budget=512))
+    for rid in "abc":
+        s.add_request(req(rid, 30))
+    step(s, s.schedule())
+    s.add_request(req("p", 300))  # a prompt: never a running decode
+    assert {r.request_id for r in s.running_decodes()} == {"a", "b", "c"}
+    assert s.mark_migrating({"b", "p"}) == ["b"]
+    assert {r.request_id for r in s.running_decodes()} == {"a", "c"}  # b is already leaving
+    events = step(s, s.schedule())
+    assert [r.request_id for r in events.prefilled] == ["b"]
+    s.keep("b")  # the move did not happen: it decodes here again (and p's prompt ended in that step)
+    assert sorted(r.request_id for r in s.running_decodes()) == ["a", "b", "c", "p"]
+
+
 # ---- flips: hysteresis and dwell ----------------------------------------------------------------
 def views(p_busy, d_busy, since_flip=None):
     return [InstanceView("p0", "prefill", "active", p_busy / 2, 0, int(p_busy * 1000), 0),
@@ -317,6 +356,25 @@ def test_keep_margin_from_the_command_line_to_the_placement():
             p.parse_args(["--mode", "adaptive", "--keep-margin", bad])
     with pytest.raises(ValueError, match="keep_margin must be >= 0, got -1"):
         ClusterConfig(keep_margin=-1)
+
+
+def test_rebalance_from_the_command_line():
+    import argparse
+
+    from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config
+    from aserve.config import ClusterConfig
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    add_cluster_args(p)
+    cfg = cluster_config(p.parse_args(["--mode", "adaptive"]))
+    assert cfg.rebalance and cfg.rebalance_quiet_s == 10.0  # on by default, after 10 quiet seconds
+    cfg = cluster_config(p.parse_args(["--mode", "adaptive", "--no-rebalance", "--rebalance-quiet", "2.5"]))
+    assert not cfg.rebalance and cfg.rebalance_quiet_s == 2.5
+    with pytest.raises(SystemExit):
+        p.parse_args(["--mode", "adaptive", "--rebalance-quiet", "soon"])
+    with pytest.raises(ValueError, match="rebalance_quiet_s must be >= 0, got -1"):
+        ClusterConfig(rebalance_quiet_s=-1)
 
 
 def test_placement_costs_pinned_from_the_command_line_reach_the_placement():

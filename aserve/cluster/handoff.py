@@ -21,6 +21,10 @@ Failure handling, every step counted (``counts``):
 So prefilled KV is never held forever. While a copy is in flight its destination blocks are being
 written: a re-run asked for meanwhile (the sender failed) waits until the copy has landed, so no
 reused block is ever written late.
+
+A rebalance's move of a running decode (adaptive mode, ``migrate``) goes over the same links with
+one try: no room on the receiver or a failed copy leaves the decode where it was
+(``migrations_kept``); a move that landed counts in ``migrations``.
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ from scheduling.dispatch import NoDecodeInstance
 from scheduling.request import Request
 
 COUNTERS = ("transfer_failures", "transfer_timeouts", "transfer_retries", "transfer_recomputes",
-            "transfer_failed_requests", "prefill_leases_expired")
+            "transfer_failed_requests", "prefill_leases_expired", "migrations", "migrations_kept")
 
 
 @dataclass(eq=False)
@@ -129,6 +133,50 @@ class Handoff:
             return
         dst.accept_kv(req)
         handle.instance_id, handle.decode_instance, handle.phase = dst.id, dst.id, "decode"
+
+    async def migrate(self, src: Instance, handle: RequestHandle, dst: Instance) -> bool:
+        """Adaptive rebalance: move a running decode's KV from ``src`` to ``dst`` (of either
+        role). One try: if ``dst`` has no room or the copy fails, the decode goes on where it
+        was (``migrations_kept``); nothing is lost and nothing retried, the next rebalance may
+        try again. Whether it moved."""
+        req, epoch = handle.request, handle.epoch
+        rid = req.request_id
+        self._sending[src.id] += 1
+        try:
+            blocks = dst.reserve_kv(req) if dst.state == "active" else None
+            error = "no room" if blocks is None else await self._transfer(src, dst, handle, blocks)
+            why = self._rerun_after_copy.pop(rid, None)
+            if why is not None or handle.epoch != epoch:  # src failed meanwhile: re-run (if not already)
+                if blocks is not None:
+                    dst.abort(rid)
+                if why is not None:
+                    self._rerun(handle, why)
+                return False
+            if error is None and dst.state not in ("active", "draining"):
+                error = f"the receiver {dst.id} is {dst.state}"
+            if error is not None:
+                if blocks is not None:
+                    dst.abort(rid)
+                    self.counts["transfer_failures"] += 1
+                self.counts["migrations_kept"] += 1
+                if handle.aborted:
+                    src.abort(rid)
+                    self._finish(handle, "abort")
+                else:
+                    src.keep_kv(rid)
+                    handle.phase = "decode"
+                return False
+        finally:
+            self._sending[src.id] -= 1
+        src.release_kv(rid)
+        self.counts["migrations"] += 1
+        if handle.aborted:
+            dst.abort(rid)
+            self._finish(handle, "abort")
+            return False
+        dst.accept_kv(req)
+        handle.instance_id, handle.decode_instance, handle.phase = dst.id, dst.id, "decode"
+        return True
 
     async def _move(self, src: Instance, handle: RequestHandle) -> Optional[Instance]:
         """Reserve, copy, retry; the decode instance the KV landed on, or None when the request

@@ -122,6 +122,13 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                    help="adaptive: a prompt that ends within the budget its instance's decodes leave runs first, in a "
                         "step of its own (vLLM's prompt step), instead of sharing its last step with the decodes; "
                         "their token gap stays within one full step's (scheduling/hybrid.py)")
+    g.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=True,
+                   help="adaptive: once requests stop arriving and no prompt is queued anywhere, running decodes move from the busiest instance "
+                        "to the least busy one (an idle prefill instance included) by KV migration, as many as pay "
+                        "by the placement's step costs (scheduling/placement.py)")
+    g.add_argument("--rebalance-quiet", type=float, default=10.0, metavar="S",
+                   help="adaptive rebalance: decodes move only once no request has arrived for S seconds (while "
+                        "requests keep coming the placement evens the load, and moves cost)")
     g.add_argument("--placement-costs", type=placement_costs_arg, default=None, metavar="STEP_S,TOKEN_S,ROW_S",
                    help="adaptive: the step costs placement prices with (a step's fixed seconds, a prompt token's, a "
                         "decode row's) instead of deriving them from the measured engine (or sim: profile): to "
@@ -256,6 +263,7 @@ def cluster_config(a: argparse.Namespace):
                          flip_idle_s=a.flip_idle, flip_band=a.flip_band, flip_dwell_s=a.flip_dwell,
                          flip_cooldown_s=a.flip_cooldown, flip_migrate=not a.no_flip_migrate,
                          interference=a.interference, keep_margin=a.keep_margin, prompt_first=a.prompt_first,
+                         rebalance=a.rebalance, rebalance_quiet_s=a.rebalance_quiet,
                          **placement_costs(a),
                          on_failure=a.on_failure,
                          transfer_timeout_s=a.transfer_timeout,

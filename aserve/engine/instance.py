@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Protocol, TypeVar
+from typing import Any, Collection, Mapping, Optional, Protocol, TypeVar
 
 from aserve.engine.device import Device
 from aserve.engine.policies import Policies
@@ -230,9 +230,10 @@ class Instance:
         self._as(HybridScheduler).keep(request_id)
         self.notify()
 
-    def migrate_decodes(self) -> list[str]:
-        """Adaptive: its running decodes leave after their next token, by a KV hand-over."""
-        ids = self._as(HybridScheduler).mark_migrating()
+    def migrate_decodes(self, request_ids: Optional[Collection[str]] = None) -> list[str]:
+        """Adaptive: its running decodes (those of ``request_ids``, if given) leave after their
+        next token, by a KV hand-over."""
+        ids = self._as(HybridScheduler).mark_migrating(request_ids)
         self.notify()
         return ids
 
