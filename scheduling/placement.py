@@ -38,9 +38,10 @@ busy decode instance: round 1's rule, kept for comparison.
 
 ``rebalance_count``: once requests stop arriving and no prompt is queued anywhere, an instance's
 running decodes may move to a less busy instance of either role (an idle prefill instance's core
-would otherwise sit out the tail), by the same KV migration a flip uses (the cluster decides when). Each move is priced with ``handover_gain_s``
-(its expected remaining output for L), one at a time, the two loads updated after each, so the
-batches even out and a move that saves less than it costs is not made. A move to an idle
+would otherwise sit out the tail), by the same KV migration a flip uses (the cluster decides
+when). Each move is priced with ``handover_gain_s`` (its expected remaining output for L), one at
+a time, the two loads updated after each, so the batches even out and a move that saves less than
+it costs is not made. A move to an idle
 instance also wakes it: it runs L steps it would not have run, L · step_s of busy time (what
 perf/$ counts), so that move must save more than that too: 2 · (decodes_src - 1) · decode_row_s
 > step_s, roughly. On this CPU (a row ~0.3 of a step) three decodes are enough; on a V100 with
@@ -162,7 +163,8 @@ class Placement:
         blocks its KV needs, best first) go from ``src`` (whose ``num_decodes`` counts them) to
         ``dst``: while each one's hand-over gain, with the loads as the moves before it left them
         and its neighbours for ``src``, is positive (larger than the busy time it adds where
-        ``dst`` is idle) and ``dst`` has the blocks. Only between instances with no prompt queued (``prompt_work_s`` is then 0)."""
+        ``dst`` is idle) and ``dst`` has the blocks. Only between instances with no prompt
+        queued (``prompt_work_s`` is then 0)."""
         n = 0
         for expected, need in moves:
             others = replace(src, num_decodes=src.num_decodes - 1)  # its neighbours, without it

@@ -57,6 +57,10 @@ CONTROL_COUNTERS = {
                             "could not be handed over (--on-transfer-failure recompute)"),
     "transfer_failed_requests": ("aserve:kv_transfer_failed_requests", "Requests ended with an error because their "
                                  "KV could not be handed over (--on-transfer-failure fail)"),
+    "migrations": ("aserve:decode_migrations", "Running decodes an adaptive rebalance moved to another instance "
+                   "by their KV (--rebalance)"),
+    "migrations_kept": ("aserve:decode_migrations_kept", "Rebalance moves that did not happen (no room on the "
+                        "receiver, or the copy failed): the decode went on where it was"),
 }
 
 _PREDICTOR_COUNTERS = (("aserve:predictor_predictions", "predictions", "Predicted ranges put on requests"),

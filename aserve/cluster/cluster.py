@@ -396,8 +396,8 @@ class Cluster:
         if src.num_decodes - dst.num_decodes < 2:
             return
         inst = self.instances[src.instance_id]
-        rest = sorted(((max(1.0, expected_output(r) - r.num_output_tokens), r) for r in inst.scheduler.running_decodes()),
-                      key=lambda m: -m[0])
+        rest = sorted(((max(1.0, expected_output(r) - r.num_output_tokens), r)
+                       for r in inst.scheduler.running_decodes()), key=lambda m: -m[0])
         moves = [(left, blocks_needed(r.num_tokens + 1, dst.block_size)) for left, r in rest]
         n = self.placement.rebalance_count(src, dst, moves)
         for rid in inst.migrate_decodes({r.request_id for _, r in rest[:n]}):

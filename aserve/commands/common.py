@@ -123,9 +123,9 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                         "step of its own (vLLM's prompt step), instead of sharing its last step with the decodes; "
                         "their token gap stays within one full step's (scheduling/hybrid.py)")
     g.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=True,
-                   help="adaptive: once requests stop arriving and no prompt is queued anywhere, running decodes move from the busiest instance "
-                        "to the least busy one (an idle prefill instance included) by KV migration, as many as pay "
-                        "by the placement's step costs (scheduling/placement.py)")
+                   help="adaptive: once requests stop arriving and no prompt is queued anywhere, running decodes "
+                        "move from the busiest instance to the least busy one (an idle prefill instance included) by "
+                        "KV migration, as many as pay by the placement's step costs (scheduling/placement.py)")
     g.add_argument("--rebalance-quiet", type=float, default=10.0, metavar="S",
                    help="adaptive rebalance: decodes move only once no request has arrived for S seconds (while "
                         "requests keep coming the placement evens the load, and moves cost)")
