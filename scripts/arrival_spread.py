@@ -107,11 +107,15 @@ def main(argv=None) -> int:
     p.add_argument("--tie", type=float, default=0.03, help="a relative difference counted as a tie")
     a = p.parse_args(argv[:cut])
     replay_args = argv[cut + 1:]
-    if not replay_args or "--json" in replay_args:
+    if not replay_args or any(x == "--json" or x.startswith("--json=") for x in replay_args):
         raise SystemExit("REPLAY_ARGS: give the trace and --compare; the script writes each --json itself")
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from aserve.commands import main as aserve
+    try:
+        from aserve.commands import main as aserve
+    except ImportError as e:
+        raise SystemExit(f"aserve is not importable here ({e}): run the script with the project's Python, "
+                         ".venv/bin/python scripts/arrival_spread.py ...")
 
     runs = {}
     for factor in stretches(a.stretch):

@@ -77,5 +77,6 @@ def test_a_sweep_on_a_simulated_device_runs_each_factor_once(tmp_path, capsys):
     stamp = (tmp_path / "out" / "stretch_0.9.json").stat().st_mtime_ns
     assert arrival_spread.main(args) == 0  # both there: nothing run again
     assert (tmp_path / "out" / "stretch_0.9.json").stat().st_mtime_ns == stamp
-    with pytest.raises(SystemExit, match="--json"):
-        arrival_spread.main(args + ["--json", "x.json"])
+    for extra in (["--json", "x.json"], ["--json=x.json"]):
+        with pytest.raises(SystemExit, match="--json"):
+            arrival_spread.main(args + extra)
