@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How far issue 24's comparison moves when a workload's arrivals move a little.
 
-    scripts/arrival_spread.py OUT_DIR [--stretch 0.95:1.05:0.01] [--adaptive adaptive] [--tie 0.03] \
+    .venv/bin/python scripts/arrival_spread.py OUT_DIR [--stretch 0.95:1.05:0.01] [--adaptive adaptive] [--tie 0.03] \
         -- REPLAY_ARGS...
 
 Replays the same ``aserve replay REPLAY_ARGS`` (a trace and a ``--compare`` naming vllm, sarathi
