@@ -22,6 +22,10 @@ import sys
 from pathlib import Path
 
 BASELINES = ("vllm", "sarathi")
+# issue 24's criteria: (label, figure, compared with: "best" of BASELINES or one system, lower is better)
+CRITERIA = (("mean TTFT", "ttft", "best", True), ("mean JCT", "jct", "best", True),
+            ("P99 token gap", "gap99", "sarathi", True), ("perf/$ (busy)", "perf", "best", False),
+            ("per instance-s", "perf_core", "best", False))
 
 
 def figures(s: dict) -> dict:
@@ -58,12 +62,12 @@ def rows(name: str, figs: dict[str, dict], adaptive: str, tie: float) -> list[st
     for sys_name, f in figs.items():
         checks = ""
         if sys_name == adaptive and all(b in figs for b in BASELINES):
-            b = [figs[x] for x in BASELINES]
-            checks = " / ".join((
-                verdict(f["ttft"], min(x["ttft"] for x in b), tie), verdict(f["jct"], min(x["jct"] for x in b), tie),
-                verdict(f["gap99"], figs["sarathi"]["gap99"], tie),
-                verdict(f["perf"], max(x["perf"] for x in b), tie, True),
-                verdict(f["perf_core"], max(x["perf_core"] for x in b), tie, True)))
+            marks = []
+            for _, key, ref, lower in CRITERIA:
+                pick = min if lower else max
+                other = figs[ref][key] if ref != "best" else pick(figs[b][key] for b in BASELINES)
+                marks.append(verdict(f[key], other, tie, not lower))
+            checks = " / ".join(marks)
         label = f"{sys_name} (mean of {f['runs']})" if f.get("runs", 1) > 1 else sys_name
         out.append(f"| {name} | {label} | {f['ttft']:.3f} | {f['jct']:.2f} | {f['gap99']:.3f} | {f['busy']:.0f} | "
                    f"{f['perf']:.3f} | {f['perf_core']:.2f} | {f['flips']} | {f['ok']}/{f['n']} | {checks} |")

@@ -27,14 +27,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from adaptive_table import BASELINES, figures  # noqa: E402
+from adaptive_table import BASELINES, CRITERIA, figures  # noqa: E402
 
 # (criterion, the figure, whose value is the reference, lower is better)
-CRITERIA = (("mean TTFT", "ttft", "best", True), ("mean JCT", "jct", "best", True),
-            ("P99 token gap", "gap99", "sarathi", True), ("perf/$ (busy)", "perf", "best", False),
-            ("per instance-s", "perf_core", "best", False))
-
-
 def stretches(text: str) -> list[float]:
     """'0.95:1.05:0.01' (start:stop:step, stop included) or '0.97,1,1.03'."""
     if ":" in text:
