@@ -76,6 +76,7 @@ class Cluster:
         # adaptive: where prompts went (and decodes a rebalance moved)
         self.placements = {"prefill": 0, "decode": 0, "kept": 0, "taken": 0, "moved": 0}
         self._moving: dict[str, tuple[str, int]] = {}  # adaptive rebalance: request id -> (to, epoch)
+        self._migrating: set[str] = set()  # ... and those whose copy has begun, until it lands or fails
         self._last_arrival = float("-inf")  # when the last request arrived (the rebalance's quiet time)
         self.stops: Optional[StopChecker] = None
         self.loop_lag_s = 0.0
@@ -375,13 +376,15 @@ class Cluster:
         the fewest (either role: an idle prefill instance's core then serves the decode tail), as
         many as ``Placement.rebalance_count`` finds pay, the longest expected rest first. Each
         leaves its instance after its next token by KV migration (``Handoff.migrate``); one batch
-        of moves at a time. While requests keep arriving the placement evens the load with each
+        of moves at a time: the next is priced once every copy of the last has landed or failed
+        (priced before, the loads miss the decodes in flight and a second batch follows the first
+        to the same instance, then a third moves some back). While requests keep arriving the placement evens the load with each
         new prompt, and moves cost: decodes on a prefill instance ride beside the next prompts'
         chunks, and a batch split in two pays the step's fixed cost twice (at paper scale on Mixed,
         moves at any time: P99 token gap +26%, busy +3%; docs/BENCHMARKS.md, "Shift trace")."""
         self._moving = {rid: m for rid, m in self._moving.items()
                         if rid in self.requests and self.requests[rid].epoch == m[1]}
-        if self._moving or self.clock.now() - self._last_arrival < self.cfg.rebalance_quiet_s:
+        if self._moving or self._migrating or self.clock.now() - self._last_arrival < self.cfg.rebalance_quiet_s:
             return
         loads = self.entry_loads()
         if len(loads) < 2 or self.handoff.num_waiting or any(ld.queued_tokens for ld in loads):
@@ -478,6 +481,7 @@ class Cluster:
                     instance.keep_kv(req.request_id)
                     continue
                 handle.phase = "transfer"
+                self._migrating.add(req.request_id)  # from now, not when the task first runs
                 self.spawn(self._migrate(instance, handle, dst))
                 continue
             if self._keeps(instance, req):
@@ -514,8 +518,11 @@ class Cluster:
         await self.handoff.run(src, handle)
 
     async def _migrate(self, src: Instance, handle: RequestHandle, dst: Instance) -> None:
-        if await self.handoff.migrate(src, handle, dst):
-            self.placements["moved"] += 1
+        try:
+            if await self.handoff.migrate(src, handle, dst):
+                self.placements["moved"] += 1
+        finally:
+            self._migrating.discard(handle.request.request_id)
 
     def finish(self, handle: RequestHandle, reason: str, error: Optional[str] = None) -> None:
         req = handle.request
