@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from adaptive_table import BASELINES, CRITERIA, figures  # noqa: E402
 
-# (criterion, the figure, whose value is the reference, lower is better)
+
 def stretches(text: str) -> list[float]:
     """'0.95:1.05:0.01' (start:stop:step, stop included) or '0.97,1,1.03'."""
     if ":" in text:

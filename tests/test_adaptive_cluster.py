@@ -36,6 +36,12 @@ def offline(default_bundle_fp32):
     return ids, [c.token_ids for c in LLM(ENGINE, bundle=default_bundle_fp32).generate(ids, SP)]
 
 
+def link_bytes(cl, src=None, dst=None):
+    """KV bytes copied over the cluster's links from ``src`` and/or into ``dst``."""
+    return sum(link.stats()["bytes"] for (s, d), link in cl.handoff.links.items()
+               if src in (None, s) and dst in (None, d))
+
+
 def test_adaptive_matches_offline_on_both_roles(default_bundle_fp32, offline):
     ids, want = offline
 
@@ -83,7 +89,7 @@ def test_flip_migrates_decodes_by_kv_and_keeps_greedy_output(default_bundle_fp32
             await settled(cl, cl.instances)
             assert cl.instances["d1"].role == "prefill" and cl.instances["d2"].role == "decode"
             # d1 held no prefill role before the flip: every copy from it is a migration
-            return sum(link.stats()["bytes"] for (src, _), link in cl.handoff.links.items() if src == "d1"), cl.all_counts()
+            return link_bytes(cl, src="d1"), cl.all_counts()
 
     moved, counts = asyncio.run(main())
     (record,) = records
@@ -121,10 +127,6 @@ def join_when_all_decode(added):
     return join
 
 
-def bytes_into(cl, iid):
-    return sum(link.stats()["bytes"] for (_, dst), link in cl.handoff.links.items() if dst == iid)
-
-
 @pytest.mark.parametrize("rebalance,quiet_s", [(True, 0.0), (True, 1e6), (False, 0.0)])
 def test_rebalance_moves_decodes_to_the_idle_instance_without_changing_a_token(default_bundle_fp32, offline_long,
                                                                                rebalance, quiet_s):
@@ -137,7 +139,7 @@ def test_rebalance_moves_decodes_to_the_idle_instance_without_changing_a_token(d
         async with Cluster(ENGINE, cfg, bundle=default_bundle_fp32) as cl:
             check(await stream_all(cl, ids, SP_LONG, during=join_when_all_decode(added), after_tokens=1), want)
             await settled(cl, cl.instances)
-            return bytes_into(cl, added[0]), cl.all_counts()
+            return link_bytes(cl, dst=added[0]), cl.all_counts()
 
     into_new, counts = asyncio.run(main())
     assert counts["finished"] == 8 and counts["reruns"] == 0 and counts["transfer_recomputes"] == 0
