@@ -84,6 +84,9 @@ class ClusterConfig:
     predictor_granularity: int = 200  # bucket width, tokens: 100 | 200 | 400
     predictor_mode: str = "parallel"  # parallel: beside the prefill | sequential: before it (adds to TTFT)
     predictor_timeout_s: float = 0.5  # a prediction not ready by then: the request goes on without one
+    # None: the predictor names its most likely bucket | q in (0, 1]: the lowest bucket its scores say the
+    # length stays in with probability q (predictors.base.pick): a reservation then holds enough room more often
+    predictor_cover: Optional[float] = None
     # auto: a predictor whose backbone is the served model's first layers (lm) reads them from the
     # request's own prefill where it can (disagg, parallel; the prompt as it was trained on) | prefill:
     # the same, an error where it cannot | prompt: always runs its backbone on the prompt itself
@@ -191,7 +194,7 @@ class ClusterConfig:
         return self.backend.partition(":")[2].strip() or None
 
     def _check_predictor(self) -> None:
-        from predictors.base import GRANULARITIES, MODES as PREDICTOR_MODES
+        from predictors.base import GRANULARITIES, MODES as PREDICTOR_MODES, check_cover
         from predictors.registry import BACKENDS, get_predictor
 
         if self.predictor not in BACKENDS:
@@ -209,6 +212,7 @@ class ClusterConfig:
                              "features come from the prefill, which the prediction must not wait for")
         if not self.predictor_timeout_s > 0:
             raise ValueError(f"predictor_timeout_s must be > 0, got {self.predictor_timeout_s}")
+        check_cover(self.predictor_cover)
         try:
             options = dict(self.predictor_options)
         except (TypeError, ValueError):

@@ -94,6 +94,26 @@ class Buckets:
         return LengthRange(lo, hi, bucket, float(prob))
 
 
+def pick(scores: np.ndarray, cover: float | None = None) -> np.ndarray:
+    """The column to answer in each row of bucket scores ``[n, K]`` (columns in ascending bucket
+    order). ``cover`` None: the most likely bucket. ``cover`` q in (0, 1]: the lowest bucket whose
+    cumulative score reaches q, so the length stays under the range's end with probability q by
+    the model's own scores: a reservation policy reads that end as the room to hold, and a bucket
+    named too low costs it a preemption, one named too high only some concurrency."""
+    scores = np.asarray(scores, dtype=np.float64)
+    if cover is None:
+        return scores.argmax(axis=1)
+    total = scores.sum(axis=1, keepdims=True)
+    cumulative = np.cumsum(scores / np.where(total > 0, total, 1.0), axis=1)
+    return (cumulative >= cover - 1e-9).argmax(axis=1)
+
+
+def check_cover(cover: float | None) -> None:
+    """``cover`` must be None or a probability in (0, 1]."""
+    if cover is not None and not 0.0 < cover <= 1.0:
+        raise ValueError(f"predictor_cover must be in (0, 1], got {cover}")
+
+
 def bucket_match(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     """Over two arrays of bucket indices: the share of rows in the same bucket, and within one
     bucket of each other (rounded to 4 places)."""
@@ -137,6 +157,9 @@ class LengthPredictor(abc.ABC):
     learns_online: bool = False  # True when observe() changes later predictions
     inline: bool = False  # True when predicting costs microseconds: callers may skip the helper thread
     _executor: ThreadPoolExecutor | None = None
+    # None: answer the most likely bucket; q: the lowest whose cumulative score reaches q (``pick``).
+    # A serving choice, not a trained one: set after loading, never saved.
+    cover: float | None = None
 
     def __init__(self, granularity: int = 200, max_length: int = DEFAULT_MAX_LENGTH):
         self.buckets = Buckets(granularity, max_length)

@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from predictors.base import Item, LengthPredictor, examples_arrays, max_tokens_of, prompt_of
+from predictors.base import Item, LengthPredictor, examples_arrays, max_tokens_of, pick, prompt_of
 from predictors.dataset import Example
 from predictors.encoder import ENCODER_DTYPES, resolve_dtype
 from predictors.features_cache import FeatureCache
@@ -158,7 +158,7 @@ class LMPredictor(LengthPredictor):
 
     def _ranges(self, x: np.ndarray, requests: Sequence[Item]) -> list[LengthRange]:
         probs = self.head.probs(x)
-        best = probs.argmax(1)
+        best = pick(probs, self.cover)
         return [self.buckets.to_range(int(b), float(probs[i, b]), max_tokens_of(r))
                 for i, (b, r) in enumerate(zip(best, requests))]
 

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from predictors.base import Item, LengthPredictor, max_tokens_of, one_thread, prompt_of
+from predictors.base import Item, LengthPredictor, max_tokens_of, one_thread, pick, prompt_of
 from predictors.dataset import Example
 from predictors.encoder import ENCODER_DTYPES, resolve_dtype
 from predictors.features_cache import FeatureCache, text_hash
@@ -157,8 +157,9 @@ class RetrievalPredictor(LengthPredictor):
         buckets = self.buckets.bucket_array(lens)
         if self.combine == "mean":  # ALISE: the similarity-weighted mean length
             bucket = self.buckets.bucket_of(int(round(float((w * lens).sum() / w.sum()))))
-        else:  # the bucket holding most similarity weight
-            bucket = int(np.bincount(buckets, weights=w, minlength=self.buckets.num_buckets).argmax())
+        else:  # the bucket holding most similarity weight (or, with a cover, enough of it)
+            bucket = int(pick(np.bincount(buckets, weights=w, minlength=self.buckets.num_buckets)[None, :],
+                              self.cover)[0])
         return bucket, float(w[buckets == bucket].sum() / w.sum())
 
     def _fallback(self, emb: np.ndarray, num_tokens: np.ndarray) -> list[tuple[int, float]]:
@@ -168,7 +169,7 @@ class RetrievalPredictor(LengthPredictor):
             return [(self.mlp, 1.0)] * len(emb)
         with one_thread():
             probs = self.mlp.predict_proba(_mlp_input(emb, num_tokens))
-        best = probs.argmax(1)
+        best = pick(probs, self.cover)
         return [(int(self.mlp.classes_[b]), float(probs[i, b])) for i, b in enumerate(best)]
 
     def observe(self, request: Item, actual_length: int) -> None:

@@ -37,7 +37,7 @@ import numpy as np
 from scipy import sparse
 
 from predictors.base import (Item, LengthPredictor, clip_text, examples_arrays, max_tokens_of, one_thread,
-                             prompt_of)
+                             pick, prompt_of)
 from predictors.dataset import Example
 from scheduling.request import LengthRange
 
@@ -203,7 +203,7 @@ class SklearnPredictor(LengthPredictor):
         x = self.features.transform([p[0] for p in pairs], np.array([p[1] for p in pairs]))
         with one_thread():
             proba = self.model.predict_proba(x)
-        best = proba.argmax(axis=1)
+        best = pick(proba, self.cover)
         return self.model.classes_[best], proba[np.arange(len(best)), best]
 
     def predict(self, requests: Sequence[Item]) -> list[LengthRange]:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ def test_bad_names_and_options_are_clear_errors():
              (dict(predictor_granularity=150), "choose one of 100, 200, 400"),
              (dict(predictor_mode="eager"), "choose one of parallel, sequential"),
              (dict(predictor_timeout_s=0), "predictor_timeout_s must be > 0"),
+             (dict(predictor_cover=1.2), r"predictor_cover must be in \(0, 1\], got 1.2"),
              (dict(predictor="sklearn", predictor_options={"bogus": 1}), "its options: classifier, words, seed"),
              (dict(predictor="sklearn", predictor_options={"classifier": "forest"}), "valid: logreg"),
              (dict(predictor="sklearn", predictor_options={"granularity": 100}), "set by predictor_granularity"),
@@ -49,10 +51,11 @@ def test_cluster_flags_reach_the_config():
     a = build_parser().parse_args(
         ["serve", "--chunk-size", "64", "--predictor", "retrieval", "--predictor-granularity", "100",
          "--predictor-mode", "sequential", "--predictor-timeout", "0.25", "--predictor-option", "k=8",
-         "--predictor-option", "combine=mean", "--predictor-path", "/some/dir"])
+         "--predictor-option", "combine=mean", "--predictor-path", "/some/dir", "--predictor-cover", "0.8"])
     cfg = cluster_config(a)
     assert (cfg.predictor, cfg.predictor_granularity, cfg.predictor_mode, cfg.predictor_timeout_s) == \
         ("retrieval", 100, "sequential", 0.25)
+    assert cfg.predictor_cover == 0.8
     assert dict(cfg.predictor_options) == {"k": 8, "combine": "mean"} and cfg.predictor_path == "/some/dir"
 
 
@@ -173,8 +176,6 @@ def test_sklearn_range_is_on_every_request_before_decode(setting, bundle, pool, 
     cfg = ClusterConfig(predictor="sklearn", predictor_granularity=100, **data, **setting)
     eng = engine()
     if setting["mode"] == "coupled":
-        from dataclasses import replace
-
         eng = replace(eng, batching="alise")
 
     async def main():
@@ -206,6 +207,9 @@ def test_cached_artefact_is_loaded_the_second_time(bundle, pool, data, capsys):
     assert "fitting one" in capsys.readouterr().err
     assert asyncio.run(once())["predictions"] == 2
     assert "loaded from" in capsys.readouterr().err
+    online = OnlinePredictor(replace(cfg, predictor_cover=0.9))  # a serving choice: the saved artefact holds none
+    online.load()
+    assert online.backend.cover == 0.9
 
 
 @pytest.mark.long

@@ -54,6 +54,21 @@ def check_learns(predictor, data):
     return result
 
 
+def check_cover(predictor, data):
+    """A cover q answers the lowest bucket holding q of the scores: the bucket never falls as q
+    rises, reaches past the most likely one somewhere on real prompts, and None is argmax again."""
+    reqs = to_requests(data[1][:40], 1024)
+    argmax = [r.bucket for r in predictor.predict(reqs)]
+    rows = []
+    for q in (0.2, 0.5, 0.8, 0.99):
+        predictor.cover = q
+        rows.append([r.bucket for r in predictor.predict(reqs)])
+    predictor.cover = None
+    assert all(a <= b for lo, hi in zip(rows, rows[1:]) for a, b in zip(lo, hi)), rows
+    assert any(b > a for a, b in zip(argmax, rows[-1])), (argmax, rows[-1])
+    assert [r.bucket for r in predictor.predict(reqs)] == argmax
+
+
 def roundtrip(predictor, data, tmp_path):
     test = to_requests(data[1][:20], 1024)
     before = predictor.predict(test)
@@ -67,6 +82,7 @@ def roundtrip(predictor, data, tmp_path):
 def test_sklearn_learns_and_roundtrips(data, tmp_path):
     p = get_predictor("sklearn", granularity=G)
     check_learns(p, data)
+    check_cover(p, data)
     roundtrip(p, data, tmp_path)
 
 
@@ -96,6 +112,10 @@ def retrieval(data, cache):
     p = get_predictor("retrieval", granularity=G, max_tokens=64, threshold=0.5, cache_dir=cache)
     check_learns(p, data)
     return p
+
+
+def test_retrieval_cover(retrieval, data):
+    check_cover(retrieval, data)
 
 
 def test_retrieval_roundtrip(retrieval, data, tmp_path):
@@ -135,6 +155,7 @@ def test_lm_learns_roundtrips_and_runs_in_parallel(data, cache, tmp_path):
     # a shallow slice of the real SmolLM2 backbone and short prompts keep this test fast
     p = get_predictor("lm", granularity=G, num_layers=2, max_tokens=64, epochs=40, cache_dir=cache)
     check_learns(p, data)
+    check_cover(p, data)
     loaded = roundtrip(p, data, tmp_path)
     assert loaded.mode == "parallel"
     reqs = to_requests(data[1][:4], 1024)

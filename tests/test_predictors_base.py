@@ -4,7 +4,9 @@ import json
 import pytest
 
 from predictors import Buckets, get_predictor, load_predictor
-from predictors.base import prompt_of
+import numpy as np
+
+from predictors.base import pick, prompt_of
 from aserve.commands.predictor import parse_options
 from predictors.dataset import (Example, PromptRow, check_labels_match, is_test, join_examples, labelling_order,
                                 load_prompts, read_labels, split_by_id)
@@ -34,6 +36,19 @@ def test_bucket_of_edges_and_open_last_bucket():
 def test_midpoint_of_last_bucket_stops_at_the_cap():
     b = Buckets(400, 1024)
     assert b.midpoint(0) == 199.5 and b.midpoint(2) == (800 + 1024) / 2
+
+
+def test_pick_is_argmax_or_the_lowest_bucket_covering_q():
+    scores = np.array([[0.1, 0.5, 0.2, 0.2], [0.6, 0.1, 0.1, 0.2], [2.0, 1.0, 1.0, 0.0]])  # rows need not sum to 1
+    assert pick(scores).tolist() == [1, 0, 0]
+    assert pick(scores, 0.5).tolist() == [1, 0, 0]
+    assert pick(scores, 0.6).tolist() == [1, 0, 1]  # 0.6 of row 2 is reached in its second bucket
+    assert pick(scores, 0.8).tolist() == [2, 2, 2]
+    assert pick(scores, 1.0).tolist() == [3, 3, 2]  # row 2's last bucket holds nothing: never answered
+    with pytest.raises(ValueError, match="predictor_cover must be in"):
+        from aserve.config import ClusterConfig
+
+        ClusterConfig(predictor_cover=0.0)
 
 
 def test_to_range_clips_to_request_max_tokens():

@@ -89,6 +89,10 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                         "or its own pass over the prompt")
     g.add_argument("--predictor-timeout", type=float, default=0.5,
                    help="seconds a prediction may take; past them the request goes on without one (counted)")
+    g.add_argument("--predictor-cover", type=float, default=None, metavar="Q",
+                   help="answer the lowest length bucket the predictor's scores say holds the output with "
+                        "probability Q (0 < Q <= 1), not the most likely one: reservations then run short less "
+                        "often (default: the most likely bucket)")
     g.add_argument("--predictor-option", action="append", default=[], metavar="KEY=VALUE",
                    help="backend option, repeatable, JSON values (e.g. device=cuda, classifier=logreg)")
     g.add_argument("--predictor-path", default=None,
@@ -254,7 +258,7 @@ def cluster_config(a: argparse.Namespace):
                          chunk_size=chunk, pad=a.pad and not a.no_pad, dispatch=a.dispatch, decode_policy=a.decode_policy,
                          preemption=a.preemption, predictor=predictor, predictor_granularity=a.predictor_granularity,
                          predictor_mode=a.predictor_mode, predictor_timeout_s=a.predictor_timeout,
-                         predictor_features=a.predictor_features,
+                         predictor_cover=a.predictor_cover, predictor_features=a.predictor_features,
                          predictor_options=options,
                          predictor_path=a.predictor_path, predictor_labels=a.predictor_labels,
                          predictor_prompts=a.predictor_prompts, link=a.link, emulate_model=a.emulate_model,

@@ -63,7 +63,7 @@ def cmd_share(a: argparse.Namespace) -> int:
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
         if subprocess.run(argv).returncode != 0:
-            failed.append(path.name)  # a replay with failed requests still wrote its JSON: say so, go on
+            failed.append(str(path.relative_to(study.out)))  # failed requests: its JSON is written, say so
     if a.dry_run:
         return 0
     summary = study.summarize()

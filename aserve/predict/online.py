@@ -148,6 +148,8 @@ class OnlinePredictor:
                                         cfg.predictor_path, cfg.predictor_labels, cfg.predictor_prompts)
         if self.backend is not None and not self.backend.inline:
             self.backend.mode = "parallel"  # its own thread, whatever mode the artefact was saved in
+        if self.backend is not None:
+            self.backend.cover = cfg.predictor_cover  # a serving choice: the artefact holds none
         if self.backend is not None and cfg.predictor_features != "prompt" and served_model is not None and at_handoff:
             self.feature_layer = self.backend.feature_layer(*served_model)
         if self.feature_layer:  # the tokenizer the submit-time check needs, loaded here, off the loop
