@@ -47,6 +47,15 @@ def test_label_writes_lines_and_resumes(tmp_path, llm):
 
 
 @pytest.mark.skipif(not HAVE_POOL, reason=f"needs the shared prompt pool at {DEFAULT_PROMPTS}")
+def test_label_progress_reaches_a_log(tmp_path, llm, capsys):
+    # stderr is not a terminal here, as in a log: a live bar would show nothing, so a line per batch
+    label_prompts(tiny_pool(tmp_path), tmp_path / "labels.jsonl", llm.cfg, max_tokens=4, batch_size=2, llm=llm)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("labelling ")]
+    assert [ln.split(" prompts")[0] for ln in lines] == ["labelling 2/3", "labelling 3/3"], lines
+    assert all("tok/s" in ln and "ETA" in ln for ln in lines)
+
+
+@pytest.mark.skipif(not HAVE_POOL, reason=f"needs the shared prompt pool at {DEFAULT_PROMPTS}")
 def test_label_refuses_a_foreign_label_file(tmp_path, llm):
     out = tmp_path / "labels.jsonl"
     out.write_text(json.dumps({"id": "not-a-prompt", "prompt_tokens": 3, "output_tokens": [1]}) + "\n")

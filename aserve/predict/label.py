@@ -18,6 +18,7 @@ held-out prompts a second time and see how reproducible the labels are
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -107,14 +108,16 @@ def label_prompts(prompts_path, out_path, engine_cfg, temperature: float = 0.0, 
 
 def _run(llm, todo: list[PromptRow], out_path: Path, sampling, samples: int, batch_size: int, quiet: bool,
          summary: dict) -> None:
-    """The labelling loop: one engine call per batch, its lines appended and flushed at once."""
+    """The labelling loop: one engine call per batch, its lines appended and flushed at once. On a
+    terminal a live bar; elsewhere (a log: a live bar shows nothing there) a line after each batch."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     columns = (TextColumn("labelling"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
                TimeRemainingColumn())
-    with Progress(*columns, disable=quiet) as bar, out_path.open("a") as f:
+    lines = not quiet and not sys.stderr.isatty()
+    with Progress(*columns, disable=quiet or lines) as bar, out_path.open("a") as f:
         task = bar.add_task("labelling", total=len(todo), rate="")
 
         def tick(_num_done: int, num_tokens: int) -> None:  # the engine calls this after every step
@@ -130,4 +133,12 @@ def _run(llm, todo: list[PromptRow], out_path: Path, sampling, samples: int, bat
             summary["labelled"] += len(rows)
             summary["too_long"] += too_long
             bar.update(task, advance=len(batch) + too_long)
+            if lines:
+                _say_progress(min(i + batch_size, len(todo)), len(todo), summary["tokens"], time.perf_counter() - start)
     summary["seconds"] = round(time.perf_counter() - start, 2)
+
+
+def _say_progress(done: int, total: int, tokens: int, elapsed: float) -> None:
+    eta = elapsed / done * (total - done)
+    print(f"labelling {done}/{total} prompts ({done / total:.0%}), {tokens / max(elapsed, 1e-9):,.0f} tok/s "
+          f"(prefill + decode), {elapsed:.0f} s elapsed, ETA {eta:.0f} s", file=sys.stderr, flush=True)
