@@ -157,8 +157,11 @@ def test_adaptive_late_binding_moves_unstarted_prompts_to_an_instance_with_room(
     ones (``placements.taken``) instead of leaving the prefill instance every prompt. Nothing is
     lost."""
     trace = [{"timestamp": 0.005 * i, "prompt_tokens": 700, "output_tokens": 3} for i in range(12)]
+    # fp32 whatever the CPU: with dtype auto an AVX512-BF16 machine halves a token's KV, the pool
+    # holds twice the prompts and the decode instance has room for half the burst
     report = replay_sim(tmp_path, trace, "--mode", "adaptive", "--prefill", "1", "--decode", "1",
-                        "--max-num-batched-tokens", "256", "--predictor", "none", "--kv-cache-gb", "0.06")
+                        "--max-num-batched-tokens", "256", "--predictor", "none", "--kv-cache-gb", "0.06",
+                        "--dtype", "fp32")
     (s,) = report["systems"].values()
     placed = s["placements"]
     assert s["completed"] == 12 and placed["prefill"] + placed["decode"] == 12
