@@ -100,9 +100,9 @@ def pick(scores: np.ndarray, cover: float | None = None) -> np.ndarray:
     cumulative score reaches q, so the length stays under the range's end with probability q by
     the model's own scores: a reservation policy reads that end as the room to hold, and a bucket
     named too low costs it a preemption, one named too high only some concurrency."""
-    scores = np.asarray(scores, dtype=np.float64)
     if cover is None:
-        return scores.argmax(axis=1)
+        return np.asarray(scores).argmax(axis=1)
+    scores = np.asarray(scores, dtype=np.float64)
     total = scores.sum(axis=1, keepdims=True)
     cumulative = np.cumsum(scores / np.where(total > 0, total, 1.0), axis=1)
     return (cumulative >= cover - 1e-9).argmax(axis=1)
