@@ -167,12 +167,37 @@ def test_reserve_static_refuses_what_greedy_admits():
 def test_reserve_dynamic_admits_when_the_shortest_job_frees_memory_in_time():
     for policy, admitted in [("reserve-static", ["a"]), ("reserve-dynamic", ["a", "b"])]:
         sched = make(policy, num_blocks=30)
-        arrive(sched, "a", 4, max_tokens=100, predicted=LengthRange(0, 3))  # done in 2 tokens
+        arrive(sched, "a", 4, max_tokens=100, predicted=LengthRange(0, 4))  # done in 3 tokens
         step(sched)
         arrive(sched, "b", 56, max_tokens=100, predicted=LengthRange(32, 64))  # 30 blocks in all
         step(sched)
         assert sched.running_ids == admitted, policy
         assert_no_leak(sched)
+
+
+@pytest.mark.parametrize("policy", ["reserve-static", "reserve-dynamic"])
+def test_a_request_past_its_prediction_reserves_up_to_max_tokens(policy):
+    """"a" was predicted to end within 2 tokens and has 3: its prediction is refuted, so the
+    policy holds it to max_tokens (as if never predicted). Held to its spent bound it would have
+    one step to go, and a long newcomer would be admitted as greedily as under ``greedy``."""
+    sched = make(policy, num_blocks=40)
+    a = arrive(sched, "a", 4, max_tokens=100, predicted=LengthRange(0, 3))
+    step(sched)
+    step(sched)
+    assert a.num_output_tokens == 3 and sched.running_ids == ["a"]
+    # a may reach 104 tokens: 26 blocks, 24 more than it holds; 38 free leaves room for b's 14
+    assert sched.reserved_blocks() == 24
+    b = arrive(sched, "b", 56, max_tokens=100, predicted=LengthRange(32, 64))
+    step(sched)
+    assert sched.running_ids == ["a"] and b.status == Status.WAITING
+    # the same batch with a's prediction still standing (a fresh request, 1 token) admits b
+    fresh = make(policy, num_blocks=40)
+    arrive(fresh, "a", 4, max_tokens=100, predicted=LengthRange(0, 3))
+    arrive(fresh, "b", 56, max_tokens=100, predicted=LengthRange(32, 64))
+    step(fresh)
+    assert fresh.running_ids == ["a", "b"], policy
+    assert_no_leak(sched)
+    assert_no_leak(fresh)
 
 
 def test_empty_batch_takes_a_request_the_policy_refuses():
@@ -185,8 +210,10 @@ def test_empty_batch_takes_a_request_the_policy_refuses():
 
 
 def bound(r):
-    """Test-side restatement of the safe predicted output bound: hi - 1, within max_tokens."""
-    return max(1, min(r.sampling.max_tokens, r.predicted.hi - 1))
+    """Test-side restatement of the live output bound: hi - 1 within max_tokens, and max_tokens
+    once the request has that many output tokens and still runs (the prediction is refuted)."""
+    b = max(1, min(r.sampling.max_tokens, r.predicted.hi - 1))
+    return max(1, r.sampling.max_tokens) if r.num_output_tokens >= b else b
 
 
 def growth(r, bs, held):
