@@ -10,7 +10,8 @@ import pytest
 from aserve.commands import build_parser
 from aserve.replay.driver import drive
 from aserve.commands.replay import parse_compare
-from aserve.replay.report import LATENCIES, RequestRecord, SystemRun, build_report, parse_slo, summarize
+from aserve.replay.report import (LATENCIES, RequestRecord, SystemRun, build_report, parse_slo, print_report,
+                                  summarize)
 from aserve.replay.traces import Trace, TraceRequest
 from tests.step_log_support import check_step_log
 
@@ -133,9 +134,9 @@ def test_slo_parsing():
         parse_slo("latency=1")
 
 
-def record(i, arrival, times, status="completed"):
+def record(i, arrival, times, status="completed", error=None):
     return RequestRecord(i, 10, len(times), arrival, status, arrival + 0.01, times[0] if times else None,
-                         times[-1] if times else None, tuple(times))
+                         times[-1] if times else None, tuple(times), error=error)
 
 
 def test_summarize_hand_made_records():
@@ -150,6 +151,25 @@ def test_summarize_hand_made_records():
     assert s["token_gap"]["p50"] == pytest.approx(0.1)
     report = build_report({"source": "t"}, [SystemRun("x", recs), SystemRun("y", recs)])
     assert report["systems"]["y"]["resource_usage_s"] is None  # no instances (e.g. over HTTP)
+
+
+def test_report_says_why_requests_failed():
+    """A failed request is a count in the table and its reason beneath it (the replay exits 1 on
+    failures, so the reason must be there to read), commonest first, markup in it left as text."""
+    from rich.console import Console
+
+    too_long = "prompt plus max_tokens needs 140 KV blocks; the largest instance has 128 [sic]"
+    recs = (record(0, 0.0, [0.5, 0.6]), record(1, 0.1, [], "failed", error=too_long),
+            record(2, 0.2, [], "failed", error="HTTP 400: bad"), record(3, 0.3, [], "failed", error=too_long),
+            record(4, 0.4, [], "failed"))
+    s = summarize(SystemRun("x", recs))
+    assert s["failed"] == 4
+    assert list(s["errors"].items()) == [(too_long, 2), ("HTTP 400: bad", 1), ("no reason recorded", 1)]
+    assert summarize(SystemRun("ok", recs[:1]))["errors"] == {}
+    console = Console(record=True, width=200)
+    print_report(build_report({"source": "t"}, [SystemRun("x", recs)]), console)
+    out = console.export_text()
+    assert f"x: 2 failed: {too_long}" in out and "x: 1 failed: HTTP 400: bad" in out
 
 
 def test_oracle_gain_kept_is_the_share_of_the_oracles_improvement():

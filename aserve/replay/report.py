@@ -16,6 +16,7 @@ usage seconds, reported as a ratio to the first system (cost ∝ busy device tim
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -158,6 +159,7 @@ def summarize(run: SystemRun, slo: Optional[dict] = None, clipped: int = 0) -> d
     inst = run.instances
     out = {"completed": len(done), "failed": sum(r.status == "failed" for r in run.records),
            "aborted": sum(r.status == "aborted" for r in run.records), "clipped": clipped,
+           "errors": failure_reasons(run.records),
            **{k: stats(samples[k]) for k in LATENCIES},
            "throughput_rps": len(done) / span if span > 0 else 0.0,
            "output_tokens_per_s": tokens / span if span > 0 else 0.0,
@@ -191,6 +193,12 @@ def summarize(run: SystemRun, slo: Optional[dict] = None, clipped: int = 0) -> d
     for key, value in run.vllm.items():  # beside aserve's own; completed and failed mean the same in both
         out.setdefault(key, value)
     return out
+
+
+def failure_reasons(records) -> dict:
+    """Why requests failed: each distinct error message and how many failed with it, commonest first."""
+    counts = Counter(r.error or "no reason recorded" for r in records if r.status == "failed")
+    return dict(counts.most_common())
 
 
 def _simulated(run: SystemRun) -> bool:
@@ -341,6 +349,7 @@ def _rows(systems: dict) -> list[list[str]]:
 def print_report(report: dict, console=None) -> None:
     """The trace summary (with every fitting change) and the systems side by side."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     import sys
@@ -362,6 +371,9 @@ def print_report(report: dict, console=None) -> None:
     for row in _rows(systems):
         table.add_row(*row)
     console.print(table)
+    for name, s in systems.items():  # a failed request is counted in the table; here is why it failed
+        for message, n in (s.get("errors") or {}).items():
+            console.print(f"[red]{escape(name)}: {n} failed[/red]: {escape(message)}", highlight=False)
     console.print(f"[dim]TPOT = a request's mean time per output token; token gap = time between two tokens of a "
                   f"request; stall = a token gap > {STALL_K:g}x the median gap; resource usage = sum of instances' busy "
                   "seconds; perf/$ = (output tokens/s) / resource usage, relative to the first system[/dim]")
