@@ -251,24 +251,30 @@ def check_admissions(policy, sched, before_running, admitted, held_before):
             assert dynamic_need(running + [a], bs, held) <= free
 
 
-def random_arrival(rng, rid):
-    """A prefilled request with a right prediction, and the output length it will really have."""
+def random_arrival(rng, rid, wrong=0.0):
+    """A prefilled request with a prediction, and the output length it will really have: within
+    the predicted bucket, or with probability ``wrong`` past it (a refuted prediction)."""
     lo = rng.randint(0, 30)
     hi = max(3, lo + rng.randint(1, 30))
     r = Request(rid, [1] * rng.randint(1, 40), SamplingParams(max_tokens=64),
                 predicted=LengthRange(lo, hi))
     r.num_computed_tokens, r.output_token_ids = r.num_prompt_tokens, [7]
+    if rng.random() < wrong:
+        return r, rng.randint(hi, 64)
     return r, rng.randint(max(2, lo), min(64, hi - 1))  # >= 2: one token came from prefill
 
 
+@pytest.mark.parametrize("wrong", [0.0, 0.3])
 @pytest.mark.parametrize("policy", ["reserve-static", "reserve-dynamic"])
-def test_reserve_policies_never_admit_what_they_predict_will_not_fit(policy):
+def test_reserve_policies_never_admit_what_they_predict_will_not_fit(policy, wrong):
+    """Every admission fits by the policy's own live bounds (``bound`` above), right predictions
+    or not; with right ones reserve-static never preempts."""
     rng = random.Random(99)
     for _ in range(25):
         sched, target, reqs = make(policy, num_blocks=rng.randint(30, 120)), {}, {}
         for t in range(150):
             if t < 100 and rng.random() < 0.4:
-                r, length = random_arrival(rng, f"r{t}")
+                r, length = random_arrival(rng, f"r{t}", wrong)
                 if sched.allocate_incoming(r) is not None:
                     sched.accept_incoming(r)
                     reqs[r.request_id], target[r.request_id] = r, length
@@ -278,7 +284,7 @@ def test_reserve_policies_never_admit_what_they_predict_will_not_fit(policy):
             admitted = [reqs[rid] for rid in schedule.num_scheduled_tokens
                         if rid not in {b.request_id for b in before}]
             check_admissions(policy, sched, before, admitted, held_before)
-            if policy == "reserve-static" and not sched.num_forced_admissions:
+            if policy == "reserve-static" and not wrong and not sched.num_forced_admissions:
                 assert not schedule.preempted_ids  # right predictions never overflow
             if not schedule.empty:
                 ids = list(schedule.num_scheduled_tokens)
