@@ -13,16 +13,15 @@ import argparse
 from pathlib import Path
 
 # The backend with the best measured share of the oracle's scheduling gain (issue 25, target 1:
-# 'aserve predictor share', docs/BENCHMARKS.md, the grid of 2026-11-28): under reserve-dynamic,
-# lm 29% and sklearn 21% over five seeds (41% and 40% over the three that retrieval also ran, -9%),
-# a tie: the spread is 33-40 points, and one replay alone moves a seed's share by about 40. Of the
-# two, sklearn: it fits in 3 s where lm's first fit takes about 11 minutes, and in serve's default
-# mode (coupled) no prediction is read and lm could not take its features from a prefill, so it
-# would run its 16-layer backbone on every request for nothing.
+# 'aserve predictor share', docs/BENCHMARKS.md, "Overrun predictions held to max_tokens", ten
+# seeds): under reserve-dynamic sklearn 113%, lm 103%, retrieval 43% (standard error 7-9 points).
+# sklearn leads, and it also fits in 3 s where lm's first fit takes about 11 minutes; in serve's
+# default mode (coupled) no prediction is read and lm could not take its features from a prefill,
+# so it would run its 16-layer backbone on every request for nothing.
 SERVE_PREDICTOR = "sklearn"
 WHY = ("serve's default (SERVE_PREDICTOR, aserve/commands/serve_predictor.py): it predicts from the request "
-       "alone (oracle has no true length for an API request), and ties lm for the best measured share of the "
-       "oracle's gain (docs/BENCHMARKS.md, issue 25)")
+       "alone (oracle has no true length for an API request), and has the best measured share of the oracle's "
+       "scheduling gain, 113% over ten seeds (docs/BENCHMARKS.md, issue 25)")
 
 
 def serve_predictor(a: argparse.Namespace, options: dict) -> tuple[str, str]:
