@@ -14,8 +14,10 @@ Backends: ``reference`` (plain torch matmul + softmax; CPU and CUDA), ``sdpa`` (
 ``scaled_dot_product_attention`` over gathered blocks), ``native`` (CPU: our C++ kernels from
 ``model/csrc``, which read K/V in place: paged decode, and for bf16 prompt chunks paged prefill;
 SDPA for other chunks), ``flash``
-(flash-attn's paged kernel, CUDA only, when ``flash_attn`` imports). ``pick_backend("auto")``
-takes native on CPU when it compiles and sdpa on CUDA (flash when installed).
+(flash-attn's paged kernel for decode rows, CUDA only, when ``flash_attn`` imports and the pool's
+blocks are a multiple of 256 tokens in fp16/bf16: ``flash_refusal``; prompt chunks take sdpa).
+``pick_backend("auto")`` takes native on CPU when it compiles and sdpa on CUDA (flash where it
+can read the pool).
 """
 from __future__ import annotations
 
@@ -180,13 +182,16 @@ def _decode_batch(q, k_cache, v_cache, meta: AttentionMeta, scale: float, backen
     return out.reshape(b, num_heads, d).to(q.dtype)
 
 
-def pick_backend(name: str, device: str, native_ok: bool = True) -> str:
+def pick_backend(name: str, device: str, native_ok: bool = True, block_size: Optional[int] = None,
+                 dtype: Optional[torch.dtype] = None) -> str:
     """Resolve ``auto`` to the fastest backend that works on ``device``; check explicit names.
-    ``native_ok`` False (kernels ``fallback``) keeps our C++ kernel out."""
+    ``native_ok`` False (kernels ``fallback``) keeps our C++ kernel out. ``block_size`` and
+    ``dtype``, where known, decide whether flash-attn's paged kernel can take the pool
+    (``flash_refusal``): ``auto`` then picks sdpa instead, an explicit ``flash`` is refused."""
     cuda = device.startswith("cuda")
     if name == "auto":
         if cuda:
-            return "flash" if flash_available() else "sdpa"
+            return "flash" if flash_available() and flash_refusal(block_size, dtype) is None else "sdpa"
         from model import native
 
         return "native" if native_ok and native.available() else "sdpa"
@@ -197,9 +202,25 @@ def pick_backend(name: str, device: str, native_ok: bool = True) -> str:
                          "turns off: use auto, sdpa or reference")
     if name == "flash" and not flash_available():
         raise ValueError("attention backend 'flash' needs CUDA and the flash_attn package (pip install '.[gpu]')")
+    if name == "flash" and flash_refusal(block_size, dtype):
+        raise ValueError(f"attention backend 'flash': {flash_refusal(block_size, dtype)}; or use --attention sdpa")
     if name == "native" and cuda:
         raise ValueError("attention backend 'native' is the CPU kernel; use sdpa or flash on CUDA")
     return name
+
+
+FLASH_PAGE_MULTIPLE = 256  # flash-attn 2's paged KV takes pages of a multiple of 256 tokens (its issue #828)
+
+
+def flash_refusal(block_size: Optional[int], dtype: Optional[torch.dtype]) -> Optional[str]:
+    """Why flash-attn's paged kernel cannot read a pool of ``block_size``-token blocks in
+    ``dtype`` (None where it can, or where a value is not known yet)."""
+    if block_size is not None and block_size % FLASH_PAGE_MULTIPLE:
+        return (f"flash-attn's paged kernel needs KV blocks of a multiple of {FLASH_PAGE_MULTIPLE} tokens, "
+                f"got {block_size}: pass --block-size {FLASH_PAGE_MULTIPLE}")
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn runs in fp16 or bf16, got {str(dtype).removeprefix('torch.')}: pass --dtype bf16"
+    return None
 
 
 def flash_available() -> bool:

@@ -41,7 +41,8 @@ class ModelBundle:
         dtype = pick_dtype(cfg.dtype, cfg.device)
         if model is None:
             kernels = native.resolve_kernels(cfg.kernels, cfg.device)
-            backend = pick_backend(cfg.attention, cfg.device, native_ok=kernels != "fallback")
+            backend = pick_backend(cfg.attention, cfg.device, native_ok=kernels != "fallback",
+                                   block_size=cfg.block_size, dtype=dtype)
             model = load_model(path, dtype, cfg.device, backend, kernels)
         tokenizer = AutoTokenizer.from_pretrained(path)
         return ModelBundle(path, args, model, tokenizer, dtype, cfg.device)

@@ -260,7 +260,8 @@ def measure_and_save(cfg, threads: int, reps: int = 3, out: Optional[str] = None
 
         cost = measure(bundle.model, bundle.dtype, cfg.device, threads, reps, tick,
                        meta={"model": cfg.model, "device": cfg.device, "dtype": str(bundle.dtype).removeprefix("torch."),
-                             "attention": pick_backend(cfg.attention, cfg.device)})
+                             "attention": pick_backend(cfg.attention, cfg.device, bundle.kernels != "fallback",
+                                                                 cfg.block_size, bundle.dtype)})
     path = save_cost_model(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, threads, cost)
     if out:
         cost.save(out)
