@@ -29,6 +29,9 @@ class EngineConfig:
     swap_gb: float = 0.25  # host swap space for preempted KV (alise, decode swap)
     swap_dtype: str = "same"  # how swapped KV is stored: same (the model dtype) | int8 (ALISE Eq. 8)
     num_threads: int = 0  # torch threads on CPU; 0 = every core
+    # CUDA: True runs every step eagerly; False replays decode steps as CUDA graphs captured at start
+    # (aserve/engine/cuda_graphs.py; vLLM's flag of the same name)
+    enforce_eager: bool = False
     cache_dir: Optional[str] = None
     seed: int = 0
 

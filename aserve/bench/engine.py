@@ -18,11 +18,13 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import statistics
 import time
 from datetime import date
+from typing import Optional
 
 import torch
 from rich.console import Console
@@ -31,7 +33,7 @@ from rich.table import Table
 from aserve.config import EngineConfig
 from aserve.engine.bundle import ModelBundle
 from aserve.engine.offline import LLM
-from aserve.engine.torch_device import build_runner
+from aserve.engine.torch_device import build_runner, uses_cuda_graphs
 from scheduling.step import GREEDY, SeqStep, StepPlan
 from model.attention import pick_backend
 from scheduling.request import SamplingParams
@@ -81,6 +83,32 @@ def bench_decode(runner, blocks, device, batches, ctx, reps) -> dict:
             blocks.free(t)
         out[b] = {"step_ms": dt * 1000, "tokens_per_s": b / dt}
     return out
+
+
+def step_kernels(runner, blocks, ctx: int) -> Optional[dict]:
+    """What an eager batch-1 decode step (the one its graph replays) launches on the GPU: the
+    kernels' count and their summed device time (torch.profiler; None where it reads no CUDA
+    kernels). Against the replayed step's time it says whether the kernels' own time, not the
+    launches, is what is left."""
+    from torch.profiler import ProfilerActivity, profile
+
+    table = blocks.allocate(-(-(ctx + 1) // blocks.block_size))
+    step = StepPlan((SeqStep("k", (7,), ctx, tuple(table), GREEDY),))
+    try:
+        runner.execute(step)
+        _sync(runner.device.type)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.execute(step)
+            _sync(runner.device.type)
+    except RuntimeError as e:  # a machine whose profiler cannot read the GPU: the bench goes on without it
+        return {"error": str(e)[:200]}
+    finally:
+        blocks.free(table)
+    kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    if not kernels:
+        return None
+    busy = sum(e.time_range.elapsed_us() for e in kernels)  # microseconds
+    return {"count": len(kernels), "device_ms": busy / 1000, "mean_us": busy / len(kernels)}
 
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30, rounds: int = 3) -> float:
@@ -155,16 +183,26 @@ def bench_generate(bundle: ModelBundle, cfg: EngineConfig, num_prompts=32, promp
         _sync(cfg.device)
         hf_s = time.perf_counter() - t0
     del hf
-    llm = LLM(cfg, bundle=bundle)
+    total = num_prompts * new_tokens
+    ours_s = _generate_s(LLM(cfg, bundle=bundle), prompts, new_tokens)
+    out = {"hf_generate_tokens_per_s": total / hf_s, "aserve_generate_tokens_per_s": total / ours_s,
+           "generate_speedup": hf_s / ours_s, "hf_generate_s": hf_s, "aserve_generate_s": ours_s}
+    if uses_cuda_graphs(cfg):  # the same without graphs, beside
+        eager_s = _generate_s(LLM(dataclasses.replace(cfg, enforce_eager=True), bundle=bundle), prompts, new_tokens)
+        out.update({"aserve_generate_eager_tokens_per_s": total / eager_s, "aserve_generate_eager_s": eager_s})
+    return out
+
+
+def _generate_s(llm: LLM, prompts: torch.Tensor, new_tokens: int) -> float:
+    """Seconds ``llm`` takes to generate ``new_tokens`` greedy tokens for each prompt (after a
+    two-token warm-up)."""
     sp = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     llm.generate([prompts[0, :8].tolist()], SamplingParams(max_tokens=2, temperature=0))
     t0 = time.perf_counter()
     outs = llm.generate([p.tolist() for p in prompts], sp)
-    ours_s = time.perf_counter() - t0
-    total = num_prompts * new_tokens
-    assert sum(len(o.token_ids) for o in outs) == total
-    return {"hf_generate_tokens_per_s": total / hf_s, "aserve_generate_tokens_per_s": total / ours_s,
-            "generate_speedup": hf_s / ours_s, "hf_generate_s": hf_s, "aserve_generate_s": ours_s}
+    seconds = time.perf_counter() - t0
+    assert sum(len(o.token_ids) for o in outs) == prompts.shape[0] * new_tokens
+    return seconds
 
 
 def run_engine_bench(cfg: EngineConfig, json_path: str | None, quick: bool = False) -> int:
@@ -180,6 +218,14 @@ def run_engine_bench(cfg: EngineConfig, json_path: str | None, quick: bool = Fal
         prefill = bench_prefill(runner, blocks, cfg.device, sizes, reps)
     with console.status("decode steps"):
         decode = bench_decode(runner, blocks, cfg.device, batches, 128 if quick else 512, reps * 2)
+    graphs = runner.graphs
+    decode_eager, kernels = None, None
+    if graphs is not None:  # the same steps eagerly, side by side, and what one step launches
+        runner.graphs = None
+        with console.status("decode steps, eager"):
+            decode_eager = bench_decode(runner, blocks, cfg.device, batches, 128 if quick else 512, reps * 2)
+            kernels = step_kernels(runner, blocks, 128 if quick else 512)
+        runner.graphs = graphs
     wbytes = weight_bytes(bundle.model)
     with console.status("batch-1 step against memory bandwidth, interleaved"):
         roof = bench_roofline(runner, blocks, cfg.device, wbytes, 2 if quick else 5, 128 if quick else 512, reps * 2,
@@ -189,10 +235,13 @@ def run_engine_bench(cfg: EngineConfig, json_path: str | None, quick: bool = Fal
     result = {
         "machine": _machine(cfg.device), "date": date.today().isoformat(), "device": cfg.device,
         "dtype": str(bundle.dtype).removeprefix("torch."), "kernels": bundle.kernels,
-        "attention": pick_backend(cfg.attention, cfg.device, bundle.kernels != "fallback"), "threads": torch.get_num_threads(),
+        "attention": pick_backend(cfg.attention, cfg.device, bundle.kernels != "fallback", cfg.block_size, bundle.dtype), "threads": torch.get_num_threads(),
         "model": str(bundle.path.name), "prefill": prefill["chunks"], "saturate_chunk": prefill["saturate_chunk"],
         "decode": decode, "weight_bytes": wbytes, **roof, **gen,
     }
+    if graphs is not None:
+        result.update({"cuda_graphs": graphs.report.describe(), "decode_eager": decode_eager,
+                       "decode_step_kernels": kernels})
     _print(console, result)
     if json_path:
         with open(json_path, "w") as f:
@@ -221,6 +270,18 @@ def _print(console: Console, r: dict) -> None:
     for b, v in r["decode"].items():
         t.add_row(str(b), f"{v['step_ms']:.1f}", f"{v['tokens_per_s']:.0f}")
     console.print(t)
+    if r.get("decode_eager"):
+        t = Table(title=f"decode: CUDA graphs against eager ({r['cuda_graphs']})")
+        for c in ("batch", "graphs ms", "eager ms", "eager / graphs"):
+            t.add_column(c, justify="right")
+        for b, v in r["decode"].items():
+            e = r["decode_eager"][b]["step_ms"]
+            t.add_row(str(b), f"{v['step_ms']:.2f}", f"{e:.2f}", f"{e / v['step_ms']:.1f}")
+        console.print(t)
+        k = r.get("decode_step_kernels")
+        if k and "count" in k:
+            console.print(f"an eager batch-1 step launches {k['count']} kernels, {k['device_ms']:.2f} ms of device time "
+                          f"({k['mean_us']:.1f} us each)")
     t = Table(title="batch-1 step against the weight-read roofline, interleaved rounds")
     for c in ("step ms", "read GB/s", "x roofline", "copy GB/s", "x copy roofline"):
         t.add_column(c, justify="right")
@@ -230,8 +291,10 @@ def _print(console: Console, r: dict) -> None:
     console.print(t)
     t = Table(title="side by side")
     t.add_column("figure"), t.add_column("value", justify="right")
-    for k in ("hf_generate_tokens_per_s", "aserve_generate_tokens_per_s", "generate_speedup", "memory_bandwidth_gb_s",
+    for k in ("hf_generate_tokens_per_s", "aserve_generate_tokens_per_s", "aserve_generate_eager_tokens_per_s",
+              "generate_speedup", "memory_bandwidth_gb_s",
               "roofline_decode_step_ms", "decode_step_vs_roofline", "copy_bandwidth_gb_s",
               "decode_step_vs_copy_roofline"):
-        t.add_row(k, f"{r[k]:.2f}")
+        if k in r:
+            t.add_row(k, f"{r[k]:.2f}")
     console.print(t)

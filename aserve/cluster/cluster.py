@@ -109,6 +109,10 @@ class Cluster:
         self._monitor = asyncio.create_task(self._monitor_loop(), name="cluster-monitor")
         self.started = True
 
+    def device_lines(self) -> list[str]:
+        """A start-up line per instance's device (``Device.describe``)."""
+        return [inst.device.describe() for inst in self.instances.values()]
+
     async def stop(self, wait_s: Optional[float] = None) -> None:
         """Abort every request, stop every instance (at once) and free its device. ``wait_s``:
         how long to wait for the steps, copies and predictions still running on their threads

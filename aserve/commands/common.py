@@ -48,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-dtype", default="same",
                    help="how swapped KV is stored: same (the model dtype) | int8 (channel-wise scales, ALISE Eq. 8)")
     g.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0 = all cores)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eagerly (default: decode steps replay CUDA graphs captured at start-up, "
+                        "one per batch and context bucket)")
     g.add_argument("--cache-dir", default=None, help="where the dequantised default model is cached")
     g.add_argument("--seed", type=int, default=0)
 
@@ -292,7 +295,8 @@ def engine_config(a: argparse.Namespace, context: Optional[int] = None, derive: 
                         block_size=a.block_size,
                         kv_cache_gb=a.kv_cache_gb, max_num_batched_tokens=budget,
                         max_num_seqs=a.max_num_seqs, batching=a.batching, swap_gb=a.swap_gb,
-                        swap_dtype=a.swap_dtype, num_threads=a.threads, cache_dir=a.cache_dir, seed=a.seed)
+                        swap_dtype=a.swap_dtype, num_threads=a.threads, enforce_eager=a.enforce_eager,
+                        cache_dir=a.cache_dir, seed=a.seed)
 
 
 def parse_options(items: list[str], field: str = "option") -> dict:

@@ -81,6 +81,9 @@ async def _serve(engine, cluster_cfg, settings, host: str, port: int,
     print(f"aserve: loading {model_arg} ...", file=sys.stderr, flush=True)
     cluster = Cluster(engine, cluster_cfg)
     await cluster.start()
+    if engine.device.startswith("cuda"):  # each instance's share of the card, and its graphs
+        for line in cluster.device_lines():
+            print(f"aserve: {line}", file=sys.stderr, flush=True)
     try:
         name = served_name or cluster.bundle.path.name
         await run_server(cluster, name, settings, host, port, aliases=(model_arg,), tui=tui,

@@ -80,6 +80,10 @@ class Device(ABC):
     async def _execute(self, plan: StepPlan) -> StepOutput:
         ...
 
+    def describe(self) -> str:
+        """One start-up line: where the device runs and what it holds."""
+        return f"{self.name}: {self.kind}, {self.num_blocks} KV blocks of {self.block_size} tokens"
+
     async def ready(self) -> None:
         """Wait until the device can step. A local one can at once; a remote one once its
         process is up with the pool it promised (raises ``DeviceFault`` if it never is)."""

@@ -11,6 +11,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from aserve.engine.cuda_graphs import DecodeGraphs
 from aserve.engine.logprobs import prompt_logprobs, sampled_logprobs
 from model.attention import AttentionMeta, PrefillSeq, causal_mask
 from model.kv_cache import HostKV, KVCache
@@ -24,6 +25,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCache, device, seed: int = 0,
                  host_kv: Optional[HostKV] = None):
         self.model, self.kv, self.device = model, kv, torch.device(device)
+        # decode steps as replayed CUDA graphs (aserve/engine/cuda_graphs.py), once captured
+        self.graphs: Optional[DecodeGraphs] = None
         # swap space in host memory: the pool's dtype or INT8 + scales; the runner alone knows
         # which (schedulers hand out host block ids only)
         self.host_kv = host_kv
@@ -37,6 +40,10 @@ class ModelRunner:
         self._swap(step)
         if not step.seqs:
             return StepOutput({}, num_tokens=0, forward_s=time.perf_counter() - t0)
+        replayed = self._replay_decode(step)
+        if replayed is not None:
+            logits, lay = replayed
+            return self._sampled(step, lay, logits, None, None, t0)
         lay = self._prepare(step)
         features = None
         if lay.tap_rows and hasattr(self.model, "forward_tapped"):  # OPT has no tap: no features
@@ -45,23 +52,52 @@ class ModelRunner:
             features = dict(zip(lay.tap_ids, taps.float().cpu()))
         else:
             hidden = self.model(lay.ids, lay.positions, lay.meta, self.kv.pool)  # [T, hidden]
-        sampled, logits_out, logprobs = {}, None, None
+        logits = None
         if lay.sample_rows:
             # a decode-only step samples every row in order: no gather (a batch-1 step is ~10 ms)
             rows = lay.sample_rows
             every_row = len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1
             logits = self.model.logits(hidden if every_row else hidden[torch.tensor(rows, device=self.device)])
+        scored = prompt_logprobs(self.model.logits, hidden, lay.scored) if lay.scored else None
+        return self._sampled(step, lay, logits, features, scored, t0)
+
+    def _sampled(self, step: StepPlan, lay: "_Layout", logits: Optional[torch.Tensor], features, scored,
+                 t0: float) -> StepOutput:
+        """Sample the rows' ``logits`` (one row a sampled sequence, in order) into the output."""
+        sampled, logits_out, logprobs = {}, None, None
+        if lay.sample_rows:
             tokens = sample(logits, [_spec(s) for s in lay.sample_seqs], self.generator)
             sample_ids = [s.request_id for s in lay.sample_seqs]
             sampled = dict(zip(sample_ids, tokens))
             logprobs = sampled_logprobs(logits, lay.sample_seqs, tokens) or None
             if step.want_logits:
                 logits_out = {rid: logits[i].cpu() for i, rid in enumerate(sample_ids)}
-        scored = prompt_logprobs(self.model.logits, hidden, lay.scored) if lay.scored else None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return StepOutput(sampled, num_tokens=lay.ids.shape[0], forward_s=time.perf_counter() - t0, logits=logits_out,
+        if self.device.type == "cuda":  # this instance's stream only: others share the card
+            torch.cuda.current_stream(self.device).synchronize()
+        return StepOutput(sampled, num_tokens=lay.num_tokens, forward_s=time.perf_counter() - t0, logits=logits_out,
                           features=features, logprobs=logprobs, prompt_logprobs=scored)
+
+    def _replay_decode(self, step: StepPlan) -> Optional[tuple[torch.Tensor, "_Layout"]]:
+        """A decode-only step through its CUDA graph: the sampled rows' logits and the layout,
+        or None where the step has a prompt chunk, pad rows, prompt scoring or features, or no
+        graph holds it (it then runs eagerly)."""
+        if self.graphs is None or step.num_pad_tokens or step.tap_layer:
+            return None
+        if any(len(s.token_ids) != 1 or s.prompt_targets for s in step.seqs):
+            return None
+        bs = self.block_size
+        ctx = [s.start_pos + 1 for s in step.seqs]
+        tables = [list(s.block_ids[:-(-c // bs)]) for s, c in zip(step.seqs, ctx)]
+        slots = [t[s.start_pos // bs] * bs + s.start_pos % bs for s, t in zip(step.seqs, tables)]
+        logits = self.graphs.run([s.token_ids[0] for s in step.seqs], [s.start_pos for s in step.seqs], slots,
+                                 tables, ctx)
+        if logits is None:
+            return None
+        rows = [i for i, s in enumerate(step.seqs) if s.sampling is not None]
+        if len(rows) < len(step.seqs):
+            logits = logits[torch.tensor(rows, device=self.device)]
+        lay = _Layout(None, None, None, rows, [step.seqs[i] for i in rows], [], [], [], len(step.seqs))
+        return logits, lay
 
     def _swap(self, step: StepPlan) -> None:
         """Swap-outs first, then swap-ins (a block freed by a swap-out may be reused at once).
@@ -118,7 +154,7 @@ class ModelRunner:
         pos.extend([0] * step.num_pad_tokens)
         bt, ctx_lens = self._decode_tables(decodes)
         meta = AttentionMeta(self._long(slots), tuple(pre_meta), num_prefill, len(decodes), bs, bt, ctx_lens)
-        return _Layout(self._long(ids), self._long(pos), meta, rows, sample_seqs, tap_rows, tap_ids, scored)
+        return _Layout(self._long(ids), self._long(pos), meta, rows, sample_seqs, tap_rows, tap_ids, scored, len(ids))
 
     def _decode_tables(self, decodes: list[SeqStep]):
         if not decodes:
@@ -144,6 +180,7 @@ class _Layout(NamedTuple):
     tap_rows: list
     tap_ids: list
     scored: list  # (first row, SeqStep) with prompt targets
+    num_tokens: int  # rows of the step, pad rows included (a replayed graph's pad rows not)
 
 
 def _spec(s: SeqStep) -> SampleSpec:

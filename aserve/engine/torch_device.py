@@ -27,6 +27,7 @@ import torch
 
 from aserve.config import EngineConfig
 from aserve.engine.bundle import ModelBundle
+from aserve.engine.cuda_graphs import DecodeGraphs
 from aserve.engine.device import CoreShare, Device
 from aserve.engine.runner import ModelRunner
 from model.config import ModelArgs
@@ -39,7 +40,13 @@ def _init_thread(num_threads: int, device: str) -> None:
     if device == "cpu":
         torch.set_num_threads(num_threads)  # inside the executor's own thread: its share of the cores
     else:
-        torch.cuda.set_device(torch.device(device))
+        # a stream of its own: instances sharing one card overlap their steps and copies instead of
+        # queueing on the default stream (a step waits for its own stream only: runner.execute)
+        dev = torch.device(device)
+        if dev.index is None:  # "cuda": the current device (set_device takes no unindexed device)
+            dev = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(dev)
+        torch.cuda.set_stream(torch.cuda.Stream(dev))
 
 
 def pool_num_blocks(args: ModelArgs, dtype: torch.dtype, cfg: EngineConfig) -> int:
@@ -53,12 +60,23 @@ def swap_num_blocks(args: ModelArgs, dtype: torch.dtype, cfg: EngineConfig) -> i
     return num_swap_blocks(args, cfg.block_size, dtype, max(1, int(cfg.swap_gb * 2**30)), cfg.swap_dtype)
 
 
+def uses_cuda_graphs(cfg: EngineConfig) -> bool:
+    """Decode steps replay CUDA graphs on a CUDA device unless ``enforce_eager``."""
+    return cfg.device.startswith("cuda") and not cfg.enforce_eager
+
+
 def build_runner(bundle: ModelBundle, cfg: EngineConfig) -> tuple[ModelRunner, BlockManager]:
     """A KV pool sized by ``cfg.kv_cache_gb``, a runner over it and a block manager of its blocks
-    (benchmarks step the runner directly)."""
+    (benchmarks step the runner directly). On CUDA the decode steps' graphs are captured here,
+    before the device serves anything (``runner.graphs.report`` says what that cost)."""
     num_blocks = pool_num_blocks(bundle.args, bundle.dtype, cfg)
-    kv = KVCache(bundle.args, num_blocks, cfg.block_size, bundle.dtype, cfg.device)
-    return ModelRunner(bundle.model, kv, cfg.device, cfg.seed), BlockManager(num_blocks, cfg.block_size)
+    graphs = uses_cuda_graphs(cfg)
+    kv = KVCache(bundle.args, num_blocks, cfg.block_size, bundle.dtype, cfg.device, scratch=graphs)
+    runner = ModelRunner(bundle.model, kv, cfg.device, cfg.seed)
+    if graphs:
+        runner.graphs = DecodeGraphs(bundle.model, kv, cfg.max_num_seqs, bundle.args.max_position)
+        runner.graphs.capture()
+    return runner, BlockManager(num_blocks, cfg.block_size)
 
 
 class TorchDevice(Device):
@@ -81,6 +99,15 @@ class TorchDevice(Device):
     @property
     def kind(self) -> str:
         return self.cfg.device
+
+    def describe(self) -> str:
+        """Where the device runs and what it holds, for the start-up lines: its KV pool (its
+        share of the card where several instances share one GPU) and its CUDA graphs."""
+        gib = self.kv.pool.numel() * self.kv.pool.element_size() / 2**30
+        text = f"{self.name}: {self.cfg.device}, KV pool {gib:.2f} GiB ({self.num_blocks} blocks of {self.block_size})"
+        if self.runner.graphs is not None and self.runner.graphs.report is not None:
+            text += "; " + self.runner.graphs.report.describe()
+        return text
 
     async def _execute(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, Optional, Sequence
@@ -237,6 +238,9 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
     # on a virtual-time loop (simulated devices) the cluster reads the loop's clock
     cluster = Cluster(spec.engine, spec.cluster, bundle=bundle, clock=getattr(asyncio.get_running_loop(), "clock", None))
     await cluster.start()
+    if spec.engine.device.startswith("cuda"):  # each instance's share of the card, and its graphs
+        for line in cluster.device_lines():
+            print(f"aserve: {spec.name}: {line}", file=sys.stderr, flush=True)
     try:
         free0 = cluster.free_blocks()
         if warmup:
