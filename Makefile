@@ -17,7 +17,7 @@ CI_LONG ?= tests/test_bench_engine.py tests/test_cluster.py::test_cli_generate_d
 	"tests/test_cluster.py::test_disagg_and_coupled_match_offline[coupled2]" \
 	"tests/test_cluster.py::test_decode_preemption_keeps_greedy_output[swap]"
 
-.PHONY: serve test test-long test-ci-long test-all install predictors bench clean
+.PHONY: serve test test-long test-ci-long test-all install predictors bench results clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,10 @@ test-ci-long: $(STAMP)
 
 test-all: $(STAMP)
 	$(MAKE) test MARKS=
+
+# docs/RESULTS.md and its plots from the committed result files (results/*.json): seconds, nothing is rerun
+results: $(STAMP)
+	$(PY) scripts/results_page.py
 
 bench: $(STAMP)
 	$(VENV)/bin/aserve bench engine --json docs/bench_engine.json
