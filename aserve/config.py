@@ -16,7 +16,7 @@ class EngineConfig:
 
     model: str = "default"
     dtype: str = "auto"  # auto | bf16 | fp16 | fp32
-    device: str = "cpu"  # cpu | cuda[:i] | sim:PROFILE (a simulated device: aserve/engine/sim_device.py)
+    device: str = "cpu"  # cpu | cuda[:i] | sim:PROFILE (a simulated device: aserve/devices/sim_device.py)
     attention: str = "auto"  # auto: native on CPUs where our kernels build, else sdpa; flash on CUDA when installed
     # our C++ kernels (model/native.py): auto (native where they build) | native | unfused (ours, one call
     # per op: A/B measurements) | fallback (torch's own ops only; attention auto -> sdpa)
@@ -30,7 +30,7 @@ class EngineConfig:
     swap_dtype: str = "same"  # how swapped KV is stored: same (the model dtype) | int8 (ALISE Eq. 8)
     num_threads: int = 0  # torch threads on CPU; 0 = every core
     # CUDA: True runs every step eagerly; False replays decode steps as CUDA graphs captured at start
-    # (aserve/engine/cuda_graphs.py; vLLM's flag of the same name)
+    # (aserve/devices/cuda_graphs.py; vLLM's flag of the same name)
     enforce_eager: bool = False
     cache_dir: Optional[str] = None
     seed: int = 0
@@ -131,7 +131,7 @@ class ClusterConfig:
     # KV that never arrives are freed, and prefilled KV no decode instance has had room for is
     # released (then on_transfer_failure applies)
     lease_s: float = 60.0
-    device_share: str = "shared"  # shared | dedicated: emulate one device per instance (aserve/engine/device.py, CoreShare)
+    device_share: str = "shared"  # shared | dedicated: emulate one device per instance (aserve/devices/device.py, CoreShare)
     # where instances' devices live: local (threads of this process) | ray (a Ray actor each, on a
     # local Ray sized to this machine) | ray:ADDRESS (on the running Ray cluster at ADDRESS, or auto)
     backend: str = "local"

@@ -10,16 +10,80 @@ One plan is in flight at a time: ``update`` takes the plan ``schedule`` returned
 step moves some requests' ``num_computed_tokens`` towards ``num_tokens``; roles differ in which
 requests they hold and policies in ordering and budget. Stop rules are not the scheduler's: the
 instance applies them to ``StepEvents.tokens`` and calls ``finish``.
+
+Beyond the contract, a scheduler may play a part in a KV hand-over, each a small protocol it
+answers for itself (``as_sender``, ``as_receiver``, ``as_adaptive``: itself, or None where it
+plays no such part), so the instance and the control plane never ask which class it is::
+
+    KVSender     prompts whose KV leaves (prefill, adaptive): take_unstarted, release
+    KVReceiver   KV that arrives (decode, adaptive): allocate_incoming ... accept_incoming, load
+    Adaptive     both, plus keep / mark_migrating / set_hand_over (scheduling/hybrid.py)
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar, Optional
+from typing import TYPE_CHECKING, ClassVar, Collection, Iterator, Optional, Protocol
 
 from scheduling.block_manager import BlockManager
 from scheduling.clock import Clock, MonotonicClock
 from scheduling.request import Request
 from scheduling.step import StepEvents, StepOutput, StepPlan
+
+if TYPE_CHECKING:
+    from scheduling.dispatch import DecodeLoad
+
+
+class KVSender(Protocol):
+    """A scheduler whose prompts' KV may leave it: a drain hands its untouched requests on, a
+    finished prompt's blocks are freed once its KV is handed over."""
+
+    def take_unstarted(self, request_ids: Optional[Collection[str]] = None) -> list[Request]:
+        """Remove and return queued requests no step has touched (all, or those of ``request_ids``)."""
+
+    def release(self, request_id: str) -> Request:
+        """The KV was handed over: free the request's blocks here and forget it."""
+
+
+class KVReceiver(Protocol):
+    """A scheduler that takes KV handed over from another instance."""
+
+    incoming_ids: Collection[str]  # requests whose KV is on its way into reserved blocks
+
+    def allocate_incoming(self, request: Request) -> Optional[list[int]]:
+        """Blocks for ``request``'s KV before it is sent; None: not now."""
+
+    def incoming_room(self) -> int:
+        """Blocks a hand-over may reserve now (-1: none)."""
+
+    def accept_incoming(self, request: Request) -> None:
+        """The KV arrived in the reserved blocks: the request joins the queue."""
+
+    def reclaim_incoming(self, lease_s: float, keep) -> list[str]:
+        """Free reservations older than ``lease_s`` whose KV never came."""
+
+    def load(self, instance_id: str) -> "DecodeLoad":
+        """This instance's load as the dispatchers read it."""
+
+
+class Adaptive(KVSender, KVReceiver, Protocol):
+    """Adaptive mode's scheduler: prompts and decodes on one instance, a prefilled request kept
+    or handed over, running decodes moved out by KV migration."""
+
+    def set_hand_over(self, hand_over: bool) -> None: ...
+
+    def keep(self, request_id: str) -> None: ...
+
+    def mark_migrating(self, request_ids: Optional[Collection[str]] = None) -> list[str]: ...
+
+    def running_decodes(self) -> Iterator[Request]: ...
+
+    def unstarted(self) -> Iterator[Request]: ...
+
+    @property
+    def num_decoding(self) -> int: ...
+
+    @property
+    def num_started_tokens(self) -> int: ...
 
 
 class Scheduler(ABC):
@@ -71,3 +135,13 @@ class Scheduler(ABC):
     def num_queued_tokens(self) -> int:
         """Load for the global scheduler: prompt tokens waiting here."""
         return 0
+
+    # ---- the parts a scheduler may play in a hand-over (module doc); none by default ----------
+    def as_sender(self) -> Optional[KVSender]:
+        return None
+
+    def as_receiver(self) -> Optional[KVReceiver]:
+        return None
+
+    def as_adaptive(self) -> Optional[Adaptive]:
+        return None

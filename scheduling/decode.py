@@ -73,6 +73,9 @@ class DecodeScheduler(Scheduler):
         self._inflight: Optional[StepPlan] = None
         self.num_forced_admissions = 0  # admitted against the policy into an empty batch
 
+    def as_receiver(self) -> "DecodeScheduler":
+        return self
+
     # --- arrival --------------------------------------------------------------------------
     def allocate_incoming(self, request: Request) -> Optional[list[int]]:
         """Blocks for the request's prompt KV before it is sent; None means "not now", retry later.

@@ -73,6 +73,12 @@ class HybridScheduler(DecodeScheduler):
         self._debt = 0  # rows the last step (prompt-first) took from the budget of this one
         self.num_prompt_first_steps = 0
 
+    def as_sender(self) -> "HybridScheduler":
+        return self
+
+    def as_adaptive(self) -> "HybridScheduler":
+        return self
+
     def set_hand_over(self, hand_over: bool) -> None:
         """A flip: from now on finished prompts are handed over (prefill role) or kept (decode)."""
         self.hybrid = replace(self.hybrid, hand_over=hand_over)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Collection, Mapping, Optional
 
 from scheduling.base import Scheduler
 from scheduling.block_manager import BlockManager, blocks_needed
@@ -204,12 +204,17 @@ class PrefillScheduler(Scheduler):
         self.release(request.request_id)
         request.status, request.finish_reason = Status.FINISHED, reason
 
-    def take_unstarted(self) -> list[Request]:
-        """Remove and return the queued requests no chunk has touched yet (they hold no KV):
-        a draining instance hands them to its peers instead of computing them itself."""
+    def as_sender(self) -> "PrefillScheduler":
+        return self
+
+    def take_unstarted(self, request_ids: Optional[Collection[str]] = None) -> list[Request]:
+        """Remove and return the queued requests no chunk has touched yet (they hold no KV; all,
+        or those of ``request_ids``): a draining instance hands them to its peers instead of
+        computing them itself."""
         planned = set(self._inflight.num_scheduled_tokens) if self._inflight is not None else set()
         taken = [r for r in list(self._raw) + list(self._scheduled)
-                 if r.num_computed_tokens == 0 and not r.block_ids and r.request_id not in planned]
+                 if r.num_computed_tokens == 0 and not r.block_ids and r.request_id not in planned
+                 and (request_ids is None or r.request_id in request_ids)]
         ids = {r.request_id for r in taken}
         self._raw = deque(r for r in self._raw if r.request_id not in ids)
         self._scheduled = deque(r for r in self._scheduled if r.request_id not in ids)

@@ -4,6 +4,7 @@
     decode    the decode instance's admission              (scheduling/decode.py)
     dispatch  which decode instance takes a prefilled request (scheduling/dispatch.py)
     batching  the coupled instance's batching              (scheduling/coupled.py, alise.py)
+    adaptive  adaptive mode's scheduler, for either role   (scheduling/hybrid.py)
     flip      when an instance changes role                (scheduling/flip.py)
 
 ``get("decode", "reserve-static")`` returns the class; the caller builds it with its blocks and
@@ -19,6 +20,7 @@ from scheduling.decode import (DecodeScheduler, ReserveDynamicDecodeScheduler,
 from scheduling.dispatch import (ImbalanceDispatcher, InterferenceDispatcher,
                                  LeastLoadedDispatcher, RandomDispatcher, RoundRobinDispatcher)
 from scheduling.flip import FlipPolicy, IdleFlipPolicy, RatioFlipPolicy
+from scheduling.hybrid import HybridScheduler
 from scheduling.prefill import LJFPrefillScheduler, PrefillScheduler, SJFPrefillScheduler
 
 
@@ -34,6 +36,7 @@ POLICIES: dict[str, dict[str, type]] = {
     "dispatch": _by_name(InterferenceDispatcher, RandomDispatcher, RoundRobinDispatcher,
                          LeastLoadedDispatcher, ImbalanceDispatcher),
     "batching": _by_name(SarathiScheduler, VllmScheduler, AliseScheduler),
+    "adaptive": _by_name(HybridScheduler),
     "flip": _by_name(FlipPolicy, IdleFlipPolicy, RatioFlipPolicy),
 }
 

@@ -62,7 +62,7 @@ fi
 echo "== profile (1 thread, alone on cores ${CPUS[0]},${CPUS[1]})"
 if [ "${PROFILE:-}" = keep ]; then  # the replay's own lookup: the cached profile, or measured now
   taskset -c "${CPUS[0]},${CPUS[1]}" $PY -c 'from aserve.config import EngineConfig
-from aserve.engine.device_profile import load_or_measure
+from aserve.profiles.device_profile import load_or_measure
 print("saturate chunk", load_or_measure(EngineConfig(), 1).saturate_chunk())' >"$OUT/profile.log" 2>&1
 else
   taskset -c "${CPUS[0]},${CPUS[1]}" $PY cli.py profile device --threads 1 >"$OUT/profile.log" 2>&1

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from aserve.engine import calibrate
-from aserve.engine.cost_model import CostModel
+from aserve.profiles import calibrate
+from aserve.profiles.cost_model import CostModel
 from aserve.engine.step_log import logged_step
 from aserve.replay.traces import FitOptions, TraceError, load_trace
 

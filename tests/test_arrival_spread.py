@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from aserve.engine.cost_model import CostModel
+from aserve.profiles.cost_model import CostModel
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "arrival_spread.py"
 spec = importlib.util.spec_from_file_location("arrival_spread", SCRIPT)

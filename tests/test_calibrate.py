@@ -1,5 +1,5 @@
 """Calibrating the simulated device on steps timed inside replays: the step log (aserve replay
---step-log) and the refit (aserve profile device --from-steps, aserve/engine/calibrate.py)."""
+--step-log) and the refit (aserve profile device --from-steps, aserve/profiles/calibrate.py)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from aserve.engine.calibrate import errors, fit, predict, scaled, speed, speed_trace
-from aserve.engine.cost_model import CostModel
+from aserve.profiles.calibrate import errors, fit, predict, scaled, speed, speed_trace
+from aserve.profiles.cost_model import CostModel
 from aserve.engine.step_log import LoggedStep, read_steps
 from tests.step_log_support import check_step_log
 

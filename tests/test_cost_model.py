@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from aserve.engine.cost_model import CostModel, fit_attention
+from aserve.profiles.cost_model import CostModel, fit_attention
 from scheduling.step import GREEDY, SeqStep, StepPlan
 
 # 10 ms a step up to 4 rows, then 1 ms a row; 2 ns a prompt pair, 50 ns a decode context token
@@ -60,7 +60,7 @@ def test_files_and_bad_models(tmp_path):
 
 
 def test_profile_cache_is_per_machine(tmp_path):
-    from aserve.engine.profile_store import cost_model, save_cost_model
+    from aserve.profiles.profile_store import cost_model, save_cost_model
 
     here = CostModel(COST.tokens, COST.linear_s, 1e-9, 1e-8, meta={"machine": "this one"})
     save_cost_model(str(tmp_path), "default", "cpu", "auto", 1, here)
@@ -74,10 +74,10 @@ def test_profile_cache_is_per_machine(tmp_path):
 
 
 def test_command_line_defaults_come_from_the_profile(tmp_path):
-    from aserve.engine.device_profile import PROFILE_VERSION, machine
+    from aserve.profiles.device_profile import PROFILE_VERSION, machine
     from aserve.commands import build_parser
     from aserve.commands.common import BUDGET_DECODE_BATCH, cluster_config, engine_config, model_context
-    from aserve.engine.profile_store import save_cost_model, save_token_budget
+    from aserve.profiles.profile_store import save_cost_model, save_token_budget
 
     cache = str(tmp_path)
     mine = CostModel(COST.tokens, COST.linear_s, COST.attn_prefill_s, COST.attn_decode_s,
@@ -107,7 +107,7 @@ def test_command_line_defaults_come_from_the_profile(tmp_path):
 
 def test_measure_a_tiny_model():
     """A real measurement, on a tiny random model: every coefficient comes out, the checks ran."""
-    from aserve.engine.device_profile import CHECKS, GRID, PROFILE_VERSION, measure
+    from aserve.profiles.device_profile import CHECKS, GRID, PROFILE_VERSION, measure
     from tests.tiny import LLAMA, hf_model, ours
 
     config = {**LLAMA, "max_position_embeddings": 4096}  # the profile's longest context is 2,048

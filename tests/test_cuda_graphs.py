@@ -1,4 +1,4 @@
-"""Decode steps as CUDA graphs (aserve/engine/cuda_graphs.py).
+"""Decode steps as CUDA graphs (aserve/devices/cuda_graphs.py).
 
 On the CPU the graphs' layout runs without capture (``replay=False``): the same padded step over
 the same static buffer, so padding, the scratch block and the offsets are checked here; the
@@ -6,8 +6,8 @@ the same static buffer, so padding, the scratch block and the offsets are checke
 import pytest
 import torch
 
-from aserve.engine.cuda_graphs import (MIN_WIDTH, DecodeGraphs, capture_batches, capture_widths, can_occur)
-from aserve.engine.runner import ModelRunner
+from aserve.devices.cuda_graphs import (MIN_WIDTH, DecodeGraphs, capture_batches, capture_widths, can_occur)
+from aserve.devices.runner import ModelRunner
 from model.kv_cache import KVCache
 from scheduling.block_manager import BlockManager
 from scheduling.step import GREEDY, SeqStep, StepPlan

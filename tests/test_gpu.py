@@ -3,7 +3,7 @@ reference on the device, and the real model answers on CUDA."""
 import pytest
 import torch
 
-from aserve.engine.runner import ModelRunner
+from aserve.devices.runner import ModelRunner
 from scheduling.step import SeqStep, StepPlan
 from model.attention import flash_available
 from model.kv_cache import KVCache

@@ -10,7 +10,7 @@ from aserve.bench.swap import (int8_logit_error, reference_config, run_greedy, t
                                token_agreement)
 from aserve.config import EngineConfig
 from aserve.engine.bundle import ModelBundle
-from aserve.engine.torch_device import TorchDevice
+from aserve.devices.torch_device import TorchDevice
 from scheduling.step import StepPlan
 from model.kv_cache import (Int8KVCache, KVCache, dequantize_int8, quantize_int8, swap_bytes_per_block,
                             kv_bytes_per_block)

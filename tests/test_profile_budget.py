@@ -114,9 +114,9 @@ def test_real_run_on_a_tiny_model(tiny_model):
 def test_saved_budget_is_the_sarathi_default(tmp_path):
     from aserve.commands import build_parser
     from aserve.commands.common import engine_config
-    from aserve.engine.cost_model import CostModel
-    from aserve.engine.device_profile import PROFILE_VERSION, machine
-    from aserve.engine.profile_store import save_cost_model, save_token_budget, token_budget
+    from aserve.profiles.cost_model import CostModel
+    from aserve.profiles.device_profile import PROFILE_VERSION, machine
+    from aserve.profiles.profile_store import save_cost_model, save_token_budget, token_budget
 
     cache = str(tmp_path)
     save_token_budget(cache, "default", "cpu", "auto", 7, 384)

@@ -98,7 +98,7 @@ def test_killed_actor_mid_run_loses_no_request(local_ray, default_bundle_fp32, o
 def test_actor_that_cannot_be_placed_fails_start_with_a_readable_error(local_ray, default_bundle_fp32):
     """An instance asking Ray for what no host has (a GPU here) never starts: the cluster's start
     fails within the actor start timeout, naming what was asked and what is free."""
-    from aserve.engine.device import DeviceFault
+    from aserve.devices.device import DeviceFault
 
     cfg = ClusterConfig(mode="coupled", num_coupled=1, backend="ray", actor_start_timeout_s=3)
     cl = Cluster(EngineConfig(dtype="fp32", kv_cache_gb=0.1, device="cuda"), cfg, bundle=default_bundle_fp32)

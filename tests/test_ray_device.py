@@ -9,7 +9,7 @@ import torch
 
 from aserve.config import EngineConfig
 from aserve.engine.bundle import ModelBundle
-from aserve.engine.device_host import DeviceHost
+from aserve.devices.device_host import DeviceHost
 from scheduling.clock import FakeClock
 from tests.tiny import LLAMA, hf_model, ours
 

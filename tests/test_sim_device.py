@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from aserve.engine.cost_model import CostModel
-from aserve.engine.sim_device import load_profile
-from aserve.engine.virtual_time import VirtualClock, run_virtual
+from aserve.profiles.cost_model import CostModel
+from aserve.devices.sim_device import load_profile
+from aserve.devices.virtual_time import VirtualClock, run_virtual
 
 # 10 ms a step plus 1 ms a row (1 row: 11 ms, 20 rows: 30 ms); attention free: easy to add up by hand
 FLAT = CostModel(tokens=(1, 1001), linear_s=(0.011, 1.011), attn_prefill_s=0.0, attn_decode_s=0.0)

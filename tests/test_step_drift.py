@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from aserve.engine.cost_model import CostModel
+from aserve.profiles.cost_model import CostModel
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "step_drift.py"
 spec = importlib.util.spec_from_file_location("step_drift", SCRIPT)

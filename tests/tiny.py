@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from aserve.engine.runner import ModelRunner
+from aserve.devices.runner import ModelRunner
 from scheduling.step import SeqStep, StepPlan
 from model.config import ModelArgs
 from model.kv_cache import KVCache

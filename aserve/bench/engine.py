@@ -33,7 +33,7 @@ from rich.table import Table
 from aserve.config import EngineConfig
 from aserve.engine.bundle import ModelBundle
 from aserve.engine.offline import LLM
-from aserve.engine.torch_device import build_runner, uses_cuda_graphs
+from aserve.devices.torch_device import build_runner, uses_cuda_graphs
 from scheduling.step import GREEDY, SeqStep, StepPlan
 from model.attention import pick_backend
 from scheduling.request import SamplingParams

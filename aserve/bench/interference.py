@@ -28,7 +28,7 @@ from rich.table import Table
 from aserve.bench.engine import _median_time
 from aserve.config import EngineConfig
 from aserve.engine.bundle import ModelBundle
-from aserve.engine.torch_device import build_runner
+from aserve.devices.torch_device import build_runner
 from scheduling.step import GREEDY, SeqStep, StepPlan
 from model.kv_cache import kv_bytes_per_block
 from scheduling.block_manager import BlockManager

@@ -28,8 +28,8 @@ from rich.table import Table
 
 from aserve.config import EngineConfig
 from aserve.engine.bundle import ModelBundle
-from aserve.engine.device import Device
-from aserve.engine.torch_device import TorchDevice
+from aserve.devices.device import Device
+from aserve.devices.torch_device import TorchDevice
 from model.kv_cache import kv_bytes_per_block
 from netemu import KVLink, LinkProfile
 from scheduling.clock import MonotonicClock
@@ -102,8 +102,8 @@ async def measure(make: dict[str, Callable[[str], Device]], step_plans: dict[str
 def run_ray_bench(engine: EngineConfig, address: Optional[str], decode_batch: int = 16, chunk: int = 128,
                   kv_blocks: Sequence[int] = (4, 32, 128), rounds: int = 5, reps: int = 10,
                   json_path: Optional[str] = None) -> dict:
-    from aserve.engine import ray_runtime
-    from aserve.engine.ray_device import RayDevice
+    from aserve.devices import ray_runtime
+    from aserve.devices.ray_device import RayDevice
 
     bundle = ModelBundle.load(engine)
     owned = ray_runtime.connect(address)

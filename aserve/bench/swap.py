@@ -28,7 +28,7 @@ from rich.table import Table
 from aserve.config import EngineConfig
 from aserve.engine.bundle import ModelBundle
 from aserve.engine.offline import LLM
-from aserve.engine.runner import ModelRunner
+from aserve.devices.runner import ModelRunner
 from scheduling.step import GREEDY, SeqStep, StepPlan
 from model.kv_cache import KVCache, host_swap_space, kv_bytes_per_block, swap_bytes_per_block
 from scheduling.block_manager import BlockManager, blocks_needed

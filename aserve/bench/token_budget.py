@@ -32,7 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from aserve.config import EngineConfig
-from aserve.engine.runner import ModelRunner
+from aserve.devices.runner import ModelRunner
 from scheduling.step import GREEDY, SeqStep, StepPlan
 from model.kv_cache import KVCache
 from scheduling.block_manager import BlockManager, blocks_needed
@@ -218,7 +218,7 @@ def run_budget_profile(cfg: EngineConfig, prof: BudgetProfile, save: bool = True
     console.print(f"token budget = {budget} (TBT SLO {prof.tbt_slo_s * 1000:g} ms, {prof.decode_batch} decodes "
                   f"of {prof.context} tokens of context)")
     if save:
-        from aserve.engine.profile_store import save_token_budget
+        from aserve.profiles.profile_store import save_token_budget
 
         save_token_budget(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, cfg.num_threads, budget)
         console.print("saved: --batching sarathi now defaults --max-num-batched-tokens to it for this model, "

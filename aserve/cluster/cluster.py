@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 from dataclasses import replace
 from typing import AsyncIterator, Optional
 
@@ -38,8 +37,8 @@ from aserve.cluster.lifecycle import Lifecycle
 from aserve.cluster.requests import EventLog, RequestHandle, TokenEvent
 from aserve.config import ClusterConfig, EngineConfig
 from aserve.engine.bundle import ModelBundle
-from aserve.engine.device import CoreShare, Device
-from aserve.engine.devices import is_sim, load_bundle, make_device
+from aserve.devices.device import CoreShare, Device
+from aserve.devices.factory import DeviceFactory, load_bundle
 from aserve.engine.instance import Instance, StepReport
 from aserve.engine.policies import Policies
 from aserve.engine.stops import StopChecker
@@ -47,7 +46,6 @@ from aserve.predict.online import OnlinePredictor
 from scheduling.block_manager import blocks_needed
 from scheduling.clock import Clock, MonotonicClock
 from scheduling.dispatch import expected_output, predicted_total_blocks
-from scheduling.hybrid import HybridScheduler
 from scheduling.placement import EntryLoad, Placement, PlacementConfig
 from scheduling.request import Request, SamplingParams
 from scheduling.step import TokenLogprobs
@@ -63,9 +61,8 @@ class Cluster:
         self.requests: dict[str, RequestHandle] = {}
         self.log = EventLog()
         self.counts = {"finished": 0, "aborted": 0, "failed": 0}
-        self._ray_cpus: Optional[int] = None  # the Ray cluster's CPUs, once connected (backend ray)
-        self._owns_ray = False  # this cluster connected to Ray, and disconnects at stop
-        self.core_share = CoreShare(cfg.device_share == "dedicated" and engine.device == "cpu", self._cores())
+        self.devices = DeviceFactory(engine, cfg)  # which device each instance gets, and Ray's connection
+        self.core_share = CoreShare(cfg.device_share == "dedicated" and engine.device == "cpu", self.devices.cores())
         self.lifecycle = Lifecycle(cfg, self.clock, self.log, self)
         self.handoff = Handoff(cfg, self.clock, self.log, self.instances, self.finish, self.lifecycle.rerun,
                                self.lifecycle.recompute, spawn=self.spawn)
@@ -94,11 +91,7 @@ class Cluster:
         # loading (or fitting, the first time) a predictor takes seconds: off the loop
         await asyncio.to_thread(self.predictor.load, self.bundle.tokenizer.decode, (self.engine.model, self.bundle.path),
                                 self._prediction_gate() == "handoff")
-        if self.cfg.backend != "local":
-            from aserve.engine import ray_runtime
-
-            self._owns_ray = ray_runtime.connect(self.cfg.ray_address)
-            self._ray_cpus = ray_runtime.total_cpus()
+        self.devices.start(self.bundle)
         self.lifecycle.start(self._roles())
         try:  # remote devices: every actor up with its model loaded before the first request
             await asyncio.gather(*(inst.device.ready() for inst in self.instances.values()))
@@ -140,11 +133,7 @@ class Cluster:
                     self.log.log("stop_failed", None, repr(task.exception()))
         closing = asyncio.ensure_future(asyncio.to_thread(self.predictor.close))
         await asyncio.wait([closing], timeout=left())
-        if self._owns_ray:
-            from aserve.engine import ray_runtime
-
-            ray_runtime.disconnect()
-            self._owns_ray = False
+        self.devices.close()
         self.started = False
 
     async def __aenter__(self):
@@ -166,19 +155,15 @@ class Cluster:
             return ["prefill"] * self.cfg.num_prefill + ["decode"] * self.cfg.num_decode
         return ["coupled"] * self.cfg.num_coupled
 
-    def _cores(self) -> int:
-        """Torch threads to share between instances: ``--threads``, else every core there is (this
-        machine's, or the Ray cluster's)."""
-        return self.engine.num_threads or self._ray_cpus or os.cpu_count() or 1
-
     def threads_per_instance(self, num_instances: int) -> int:
-        return max(1, self._cores() // num_instances)
+        return max(1, self.devices.cores() // num_instances)
 
     def new_instance(self, instance_id: str, role: str, num_threads: int,
                      device: Optional[Device] = None) -> Instance:
         """An instance over a fresh device (its own KV pool, the shared weights; ``device`` when
         it was built already, by ``build_device``), started."""
-        device = device or self.make_device(instance_id, num_threads)
+        device = device or self.devices.make(instance_id, num_threads, self.core_share, len(self._roles()),
+                                             self._num_live())
         inst = Instance(instance_id, role, device, self.policies, self.stops, self.clock, self)
         inst.step_log = self.step_log
         self.instances[instance_id] = inst
@@ -188,12 +173,9 @@ class Cluster:
         return inst
 
     async def build_device(self, instance_id: str, num_threads: int) -> Device:
-        """``make_device`` for an instance added while the cluster serves: a device of this process
-        is built on a worker thread (its KV pool is gigabytes of zeros), so no stream waits for it;
-        a simulated one is cheap and lives on virtual time, a Ray actor starts on its own."""
-        if self.cfg.backend != "local" or is_sim(self.engine):
-            return self.make_device(instance_id, num_threads)
-        return await asyncio.to_thread(self.make_device, instance_id, num_threads)
+        """A device for an instance added while the cluster serves (``DeviceFactory.build``)."""
+        return await self.devices.build(instance_id, num_threads, self.core_share, len(self._roles()),
+                                        self._num_live())
 
     def log_steps(self, log) -> None:
         """From now on every instance, and every one added later, writes its steps to ``log``
@@ -202,28 +184,19 @@ class Cluster:
         for inst in self.instances.values():
             inst.step_log = log
 
-    def make_device(self, instance_id: str, num_threads: int) -> Device:
-        """A device of this process (a ``TorchDevice`` thread, or a ``SimDevice``), or a Ray actor
-        (``RayDevice``) that asks Ray for its share of the cluster's CPUs (the instances planned,
-        or all live plus this one), or for one GPU."""
-        if self.cfg.backend == "local":
-            return make_device(instance_id, self.bundle, self.engine, num_threads, self.core_share)
-        from aserve.engine.ray_device import RayDevice
-
-        live = sum(i.state not in ("failed", "removed") for i in self.instances.values())
-        num_cpus = self._cores() / max(len(self._roles()), live + 1)
-        return RayDevice(instance_id, self.engine, self.bundle, num_threads, num_cpus, self.cfg.lease_s,
-                         self.cfg.actor_start_timeout_s)
-
     def _device_lost(self, inst: Instance, why: str) -> None:
         """A remote device died on its own (idle, or mid-step): stop its loop, fail it over."""
         if inst.task is not None:
             inst.task.cancel()
         self.on_failure(inst, why)
 
+    def _num_live(self) -> int:
+        """Instances neither failed nor removed."""
+        return sum(i.state not in ("failed", "removed") for i in self.instances.values())
+
     def count_live(self) -> None:
-        """Keep the core share's count of live instances (neither failed nor removed) true."""
-        self.core_share.live = sum(i.state not in ("failed", "removed") for i in self.instances.values())
+        """Keep the core share's count of live instances true."""
+        self.core_share.live = self._num_live()
 
     # ---- monitor -----------------------------------------------------------------------------
     async def _monitor_loop(self) -> None:
@@ -319,8 +292,8 @@ class Cluster:
         """Adaptive: every active instance as the placement sees it."""
         loads = []
         for inst in self.instances.values():
-            if inst.state == "active" and isinstance(inst.scheduler, HybridScheduler):
-                loads.append(EntryLoad(inst.id, inst.role, inst.num_queued_tokens, inst.scheduler.num_decoding,
+            if inst.state == "active" and inst.adaptive is not None:
+                loads.append(EntryLoad(inst.id, inst.role, inst.num_queued_tokens, inst.adaptive.num_decoding,
                                        inst.blocks.num_free, inst.blocks.block_size))
         return loads
 
@@ -347,21 +320,21 @@ class Cluster:
         change after (a decode instance without the blocks for it then may have them now). The
         instance that just stepped takes the oldest prompts other instances have not started
         while each costs less here (``Placement.cost_s``, a step less) than where it waits."""
-        if taker.state != "active" or not isinstance(taker.scheduler, HybridScheduler):
+        if taker.state != "active" or taker.adaptive is None:
             return
         free = taker.blocks.num_free  # first the cheap test: room for some other queue's oldest prompt
-        if not any(isinstance(o.scheduler, HybridScheduler) and o is not taker and o.state == "active"
-                   and _fits(next(o.scheduler.unstarted(), None), free, o.blocks.block_size)
+        if not any(o.adaptive is not None and o is not taker and o.state == "active"
+                   and _fits(next(o.adaptive.unstarted(), None), free, o.blocks.block_size)
                    for o in self.instances.values()):
             return
         loads = {ld.instance_id: ld for ld in self.entry_loads()}
         mine = loads.get(taker.id)
         for other in self.instances.values():
             there = loads.get(other.id)
-            if other is taker or there is None or not isinstance(other.scheduler, HybridScheduler):
+            if other is taker or there is None or other.adaptive is None:
                 continue
-            ahead, moving = other.scheduler.num_started_tokens, []
-            for req in other.scheduler.unstarted():
+            ahead, moving = other.adaptive.num_started_tokens, []
+            for req in other.adaptive.unstarted():
                 need, n = blocks_needed(req.num_tokens + 1, mine.block_size), req.num_tokens
                 waits = self.placement.cost_s(replace(there, queued_tokens=ahead), n)
                 if mine.free_blocks < need or self.placement.cost_s(mine, n) + self.placement.config.step_s >= waits:
@@ -394,7 +367,7 @@ class Cluster:
         loads = self.entry_loads()
         if len(loads) < 2 or self.handoff.num_waiting or any(ld.queued_tokens for ld in loads):
             return
-        if any(isinstance(i.scheduler, HybridScheduler) and next(i.scheduler.unstarted(), None) is not None
+        if any(i.adaptive is not None and next(i.adaptive.unstarted(), None) is not None
                for i in self.instances.values()):
             return
         incoming = {ld.instance_id: self.handoff.receiving(ld.instance_id) for ld in loads}
@@ -405,7 +378,7 @@ class Cluster:
             return
         inst = self.instances[src.instance_id]
         rest = sorted(((max(1.0, expected_output(r) - r.num_output_tokens), r)
-                       for r in inst.scheduler.running_decodes()), key=lambda m: -m[0])
+                       for r in inst.adaptive.running_decodes()), key=lambda m: -m[0])
         moves = [(left, blocks_needed(r.num_tokens + 1, dst.block_size)) for left, r in rest]
         n = self.placement.rebalance_count(src, dst, moves)
         for rid in inst.migrate_decodes({r.request_id for _, r in rest[:n]}):
@@ -414,7 +387,7 @@ class Cluster:
     def _keeps(self, instance: Instance, req: Request) -> bool:
         """Adaptive: whether a prefill instance keeps a prompt it just prefilled and decodes it
         (``Placement.keep_local``); a draining instance keeps nothing."""
-        if not isinstance(instance.scheduler, HybridScheduler) or req.num_output_tokens != 1:
+        if instance.adaptive is None or req.num_output_tokens != 1:
             return False  # a migrating decode (more tokens) must leave
         loads = {ld.instance_id: ld for ld in self.entry_loads()}
         src = loads.get(instance.id)

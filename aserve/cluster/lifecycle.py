@@ -39,7 +39,7 @@ from typing import Optional, Protocol
 from aserve.cluster.handoff import Handoff
 from aserve.cluster.requests import EventLog, RequestHandle
 from aserve.config import ClusterConfig
-from aserve.engine.device import Device
+from aserve.devices.device import Device
 from aserve.engine.instance import Instance
 from aserve.engine.policies import ROLES
 from scheduling import registry

@@ -182,14 +182,14 @@ def bundle_engine(a: argparse.Namespace):
 def measured_engine(a: argparse.Namespace):
     """The device's cost model at the instances' threads: this machine's measured engine
     (measured now if never before), or a simulated device's profile."""
-    from aserve.engine.devices import device_cost
+    from aserve.devices.factory import device_cost
 
     return device_cost(bundle_engine(a), instance_threads(a))
 
 
 def model_context(a: argparse.Namespace) -> int:
     """The (served or simulated) model's context window, from its config (no weights loaded)."""
-    from aserve.engine.devices import model_args
+    from aserve.devices.factory import model_args
 
     return model_args(bundle_engine(a)).max_position
 
@@ -198,7 +198,7 @@ def default_token_budget(a: argparse.Namespace, context: Optional[int] = None) -
     """``--max-num-batched-tokens`` left to its default (the module doc)."""
     if a.batching == "vllm":
         return model_context(a)
-    from aserve.engine.profile_store import token_budget
+    from aserve.profiles.profile_store import token_budget
 
     threads = instance_threads(a)
     saved = token_budget(a.cache_dir, a.model, a.device, a.dtype, threads)
@@ -284,7 +284,7 @@ def engine_config(a: argparse.Namespace, context: Optional[int] = None, derive: 
     derived token budget must hold its SLO at; default the model's context window. ``derive=False``
     (the engine benchmarks, which time fixed shapes) leaves an unset budget at 512 unmeasured."""
     from aserve.config import EngineConfig
-    from aserve.engine.profile_store import DEFAULT_TOKEN_BUDGET
+    from aserve.profiles.profile_store import DEFAULT_TOKEN_BUDGET
 
     if a.tbt_slo is not None and not a.tbt_slo > 0:
         raise ValueError(f"--tbt-slo must be > 0 seconds, got {a.tbt_slo}")

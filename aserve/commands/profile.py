@@ -75,7 +75,7 @@ def cmd_profile_budget(a: argparse.Namespace) -> int:
 def cmd_profile_device(a: argparse.Namespace) -> int:
     import os
 
-    from aserve.engine.device_profile import measure_and_save
+    from aserve.profiles.device_profile import measure_and_save
 
     if a.scale is not None:
         return _scale(a)
@@ -92,7 +92,7 @@ def _scale(a: argparse.Namespace) -> int:
     from dataclasses import replace
     from datetime import date
 
-    from aserve.engine.calibrate import scaled
+    from aserve.profiles.calibrate import scaled
 
     if not a.scale > 0:
         raise ValueError(f"--scale must be > 0 (a speed factor), got {a.scale}")
@@ -109,9 +109,9 @@ def _scale(a: argparse.Namespace) -> int:
 
 
 def _base_profile(a: argparse.Namespace):
-    from aserve.engine.cost_model import CostModel
-    from aserve.engine.device_profile import machine
-    from aserve.engine.profile_store import cost_model
+    from aserve.profiles.cost_model import CostModel
+    from aserve.profiles.device_profile import machine
+    from aserve.profiles.profile_store import cost_model
 
     if a.base is None:
         raise ValueError("--from-steps, --check and --scale need --base: a cost-model JSON, or 'local'")
@@ -134,7 +134,7 @@ def _calibrate(a: argparse.Namespace) -> int:
     from dataclasses import replace
     from datetime import date
 
-    from aserve.engine.calibrate import describe, fit, scaled, speed, speed_trace, usable
+    from aserve.profiles.calibrate import describe, fit, scaled, speed, speed_trace, usable
     from aserve.engine.step_log import read_steps
 
     if a.from_steps and not a.out:

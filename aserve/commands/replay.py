@@ -152,8 +152,8 @@ def cmd_workload(a: argparse.Namespace) -> int:
 
 def _event_loop(specs):
     """Simulated devices replay on virtual time, as fast as the host computes (all or none)."""
-    from aserve.engine.devices import is_sim
-    from aserve.engine.virtual_time import run_virtual
+    from aserve.devices.factory import is_sim
+    from aserve.devices.virtual_time import run_virtual
 
     sims = {is_sim(s.engine) for s in specs}
     if len(sims) > 1:
@@ -171,7 +171,7 @@ def _tokenizer_and_context(a: argparse.Namespace, engine):
 
         path = resolve_model(engine.model, Path(engine.cache_dir) if engine.cache_dir else None)
         return None, AutoTokenizer.from_pretrained(path), ModelArgs.from_hf(read_config(path)).max_position
-    from aserve.engine.devices import load_bundle
+    from aserve.devices.factory import load_bundle
 
     bundle = load_bundle(engine)
     return bundle, bundle.tokenizer, bundle.args.max_position

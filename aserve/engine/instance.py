@@ -3,7 +3,7 @@
     while True:
         plan = scheduler.schedule()         # scheduling/: one contract for every role and policy
         if plan.empty: sleep until notified
-        out = await device.execute(plan)    # the device seam (aserve/engine/device.py)
+        out = await device.execute(plan)    # the device seam (aserve/devices/device.py)
         events = scheduler.update(plan, out)
         stop checks (the instance's StopChecker) -> scheduler.finish(request, reason)
         host.on_step(self, StepReport)      # tokens, prefilled prompts, features: one call a step
@@ -20,22 +20,18 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Collection, Mapping, Optional, Protocol, TypeVar
+from typing import Any, Collection, Mapping, Optional, Protocol
 
-from aserve.engine.device import Device
+from aserve.devices.device import Device
 from aserve.engine.policies import Policies
 from aserve.engine.stops import StopChecker
-from scheduling.base import Scheduler
+from scheduling.base import Adaptive, KVReceiver, KVSender, Scheduler
 from scheduling.block_manager import BlockManager
 from scheduling.clock import Clock
-from scheduling.decode import DecodeScheduler
 from scheduling.dispatch import DecodeLoad
-from scheduling.hybrid import HybridScheduler
-from scheduling.prefill import PrefillScheduler
 from scheduling.request import Request
 from scheduling.step import PromptLogprobs, StepOutput, StepPlan, TokenLogprobs
 
-S = TypeVar("S", bound=Scheduler)
 
 
 @dataclass(frozen=True)
@@ -138,7 +134,7 @@ class Instance:
         self.busy_by_role[self.role] += out.busy_s
         self.num_steps += 1
         self.num_preemptions += len(plan.preempted_ids)
-        if isinstance(self.scheduler, PrefillScheduler):
+        if self.scheduler.role == "prefill":  # a prefill-only scheduler: every row is prompt work
             self.num_prefill_tokens += plan.num_real_tokens
             self.num_pad_tokens += plan.num_pad_tokens
         else:  # rows beyond the sampled ones are prompt work (chunks, recomputes)
@@ -185,8 +181,7 @@ class Instance:
     def change_role_live(self, role: str) -> None:
         """An adaptive instance's flip: no drain, no new scheduler. Its requests stay; from now
         on its finished prompts are handed over (prefill) or decode here (decode)."""
-        hybrid = self._as(HybridScheduler)
-        hybrid.set_hand_over(role == "prefill")
+        self._adaptive().set_hand_over(role == "prefill")
         self.dispatcher = self.policies.dispatcher() if role == "prefill" else None
         self.role = role
         self.num_flips += 1
@@ -197,10 +192,24 @@ class Instance:
         self.device.fail_next_step()
 
     # ---- façade: what the host may ask of the scheduler ---------------------------------------
-    def _as(self, kind: type[S]) -> S:
-        if not isinstance(self.scheduler, kind):
-            raise TypeError(f"instance {self.id} is a {self.role} instance")
-        return self.scheduler
+    @property
+    def adaptive(self) -> Optional[Adaptive]:
+        """Its scheduler as adaptive mode's (prompts and decodes, kept or handed over), or None."""
+        return self.scheduler.as_adaptive()
+
+    def _adaptive(self) -> Adaptive:
+        return self._part(self.scheduler.as_adaptive(), "an adaptive instance's")
+
+    def _sender(self) -> KVSender:
+        return self._part(self.scheduler.as_sender(), "a prefill or adaptive instance's")
+
+    def _receiver(self) -> KVReceiver:
+        return self._part(self.scheduler.as_receiver(), "a decode or adaptive instance's")
+
+    def _part(self, part, what: str):
+        if part is None:
+            raise TypeError(f"instance {self.id} is a {self.role} instance: that call is {what}")
+        return part
 
     def submit(self, req: Request) -> None:
         """A request enters (prefill, coupled: its prompt; decode: a request whose KV is lost
@@ -217,23 +226,23 @@ class Instance:
         """Prefill (and adaptive): queued requests no chunk has touched yet (a draining instance
         hands them on; adaptive: ``request_ids``, those another instance takes)."""
         if request_ids is not None:
-            return self._as(HybridScheduler).take_unstarted(request_ids)
-        return self._as((PrefillScheduler, HybridScheduler)).take_unstarted()
+            return self._adaptive().take_unstarted(request_ids)
+        return self._sender().take_unstarted()
 
     def release_kv(self, request_id: str) -> None:
         """Prefill (and adaptive): the KV was handed over; free its blocks here."""
-        self._as((PrefillScheduler, HybridScheduler)).release(request_id)
+        self._sender().release(request_id)
         self.notify()
 
     def keep_kv(self, request_id: str) -> None:
         """Adaptive: a prompt this instance prefilled decodes here instead of being handed over."""
-        self._as(HybridScheduler).keep(request_id)
+        self._adaptive().keep(request_id)
         self.notify()
 
     def migrate_decodes(self, request_ids: Optional[Collection[str]] = None) -> list[str]:
         """Adaptive: its running decodes (those of ``request_ids``, if given) leave after their
         next token, by a KV hand-over."""
-        ids = self._as(HybridScheduler).mark_migrating(request_ids)
+        ids = self._adaptive().mark_migrating(request_ids)
         self.notify()
         return ids
 
@@ -247,26 +256,27 @@ class Instance:
 
     def reserve_kv(self, req: Request) -> Optional[list[int]]:
         """Decode: blocks for ``req``'s prompt KV before it is sent; None: not now."""
-        return self._as(DecodeScheduler).allocate_incoming(req)
+        return self._receiver().allocate_incoming(req)
 
     def kv_room(self) -> int:
         """Decode: blocks a hand-over may reserve now (-1: none, a preempted request waits)."""
-        return self._as(DecodeScheduler).incoming_room()
+        return self._receiver().incoming_room()
 
     def accept_kv(self, req: Request) -> None:
         """Decode: the KV arrived in the reserved blocks; the request joins the queue."""
-        self._as(DecodeScheduler).accept_incoming(req)
+        self._receiver().accept_incoming(req)
         self.notify()
 
     def reclaim_kv(self, lease_s: float, keep) -> list[str]:
         """Decode: free reservations older than ``lease_s`` whose KV never came."""
-        return self._as(DecodeScheduler).reclaim_incoming(lease_s, keep)
+        return self._receiver().reclaim_incoming(lease_s, keep)
 
     def reserves_kv_for(self, request_id: str) -> bool:
-        return isinstance(self.scheduler, DecodeScheduler) and request_id in self.scheduler.incoming_ids
+        receiver = self.scheduler.as_receiver()
+        return receiver is not None and request_id in receiver.incoming_ids
 
     def decode_load(self) -> DecodeLoad:
-        return self._as(DecodeScheduler).load(self.id)
+        return self._receiver().load(self.id)
 
     # ---- views ------------------------------------------------------------------------------
     @property
@@ -285,7 +295,7 @@ class Instance:
 
     def snapshot(self) -> dict:
         """This instance's row of ``/v1/stats`` (plain JSON values)."""
-        sched = self.scheduler
+        sched, receiver = self.scheduler, self.scheduler.as_receiver()
         waiting, running = sched.queue_lengths()
         return {
             "id": self.id, "role": self.role, "state": self.state, "device": self.device.kind,
@@ -296,6 +306,6 @@ class Instance:
             "num_pad_tokens": self.num_pad_tokens, "busy_s": self.busy_s, "num_flips": self.num_flips,
             "failure": self.failure, "num_preemptions": self.num_preemptions,
             # the monitor's per-stage counts; None where the role has no such stage
-            "num_scheduled": len(sched.scheduled_ids) if isinstance(sched, PrefillScheduler) else None,
-            "num_receiving": len(sched.incoming_ids) if isinstance(sched, DecodeScheduler) else None,
+            "num_scheduled": len(sched.scheduled_ids) if sched.role == "prefill" else None,
+            "num_receiving": len(receiver.incoming_ids) if receiver is not None else None,
         }

@@ -4,7 +4,7 @@ It runs one coupled ``Instance`` (the same step loop as the server's instances, 
 kind of device) under its own event loop until every prompt is done; tests, tools (labelling,
 benchmarks) and ``aserve generate`` use it. Call it from synchronous code (it starts a loop).
 Its device steps on the calling thread (``TorchDevice(inline=True)``: the loop serves nobody
-else, and that thread already owns the process's OpenMP team; aserve/engine/torch_device.py).
+else, and that thread already owns the process's OpenMP team; aserve/devices/torch_device.py).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from aserve.engine.bundle import ModelBundle, Prompt
 from aserve.engine.instance import Instance, StepReport
 from aserve.engine.policies import Policies
 from aserve.engine.stops import StopChecker
-from aserve.engine.torch_device import TorchDevice
+from aserve.devices.torch_device import TorchDevice
 from aserve.event_loop import run as run_loop
 from scheduling.clock import Clock, MonotonicClock
 from scheduling.request import Request, SamplingParams

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from aserve.config import ClusterConfig, EngineConfig
-from aserve.engine.device import Device
+from aserve.devices.device import Device
 from scheduling import registry
 from scheduling.base import Scheduler
 from scheduling.block_manager import BlockManager
@@ -24,7 +24,7 @@ from scheduling.clock import Clock
 from scheduling.coupled import BatchingConfig
 from scheduling.decode import DecodeConfig
 from scheduling.dispatch import Dispatcher, DispatchConfig
-from scheduling.hybrid import HybridConfig, HybridScheduler
+from scheduling.hybrid import HybridConfig
 from scheduling.prefill import PrefillConfig
 
 ROLES = ("prefill", "decode", "coupled")
@@ -74,7 +74,7 @@ class Policies:
                 hybrid = HybridConfig(self.token_budget, hand_over=role == "prefill",
                                       watermark=self.batching_config.watermark,
                                       prompt_first_rows=self.prompt_first_rows)
-                return HybridScheduler(blocks, config, hybrid, clock)
+                return registry.get("adaptive", "hybrid")(blocks, config, hybrid, clock)
             return registry.get("decode", self.decode)(blocks, config, clock)
         if role == "coupled":
             cls = registry.get("batching", self.batching)

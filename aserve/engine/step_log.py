@@ -1,6 +1,6 @@
 """The step log: one JSON line per step an instance executed, timed where it ran (``aserve
 replay --step-log FILE``), for fitting a simulated device's cost model on steps as a replay runs
-them (aserve/engine/calibrate.py) rather than on steps timed one at a time in isolation.
+them (aserve/profiles/calibrate.py) rather than on steps timed one at a time in isolation.
 
     {"system": "tetri", "instance": "p0", "role": "prefill", "t": 12.41,
      "chunks": [[48, 96]], "decodes": [], "pad": 0, "sampled": 0, "swapped": 0,
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Callable, Iterable, Optional
 
-from aserve.engine.cost_model import plan_shape
+from aserve.profiles.cost_model import plan_shape
 
 
 class StepLog:

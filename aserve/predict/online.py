@@ -22,7 +22,7 @@ that comes later), is dropped: the request goes on with ``predicted = None`` (wh
 gives) and the fallback is counted by reason (timeout | error | unknown: the oracle has no true
 length). Nothing here is ever an error for the client.
 
-On a virtual clock (a simulated device, aserve/engine/virtual_time.py) a thread's work would
+On a virtual clock (a simulated device, aserve/devices/virtual_time.py) a thread's work would
 take no simulated time while the clock jumps ahead of it (every sklearn prediction of a simulated
 replay timed out at 3 s of virtual time): there the predictor thread is modelled instead. Its
 work runs on the loop when it is asked for, is timed, and its answer lands on the virtual clock

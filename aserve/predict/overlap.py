@@ -26,7 +26,7 @@ def prefill_slowdown(predictor, requests: Sequence[Request], chunk: int = 512, r
 
     from aserve.config import EngineConfig
     from aserve.engine.bundle import ModelBundle
-    from aserve.engine.torch_device import build_runner
+    from aserve.devices.torch_device import build_runner
     from scheduling.step import SeqStep, StepPlan
 
     cfg = EngineConfig(model=model, dtype=dtype, kv_cache_gb=0.05, num_threads=torch.get_num_threads())

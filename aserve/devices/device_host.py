@@ -29,7 +29,7 @@ import torch
 
 from aserve.config import EngineConfig
 from aserve.engine.bundle import ModelBundle
-from aserve.engine.torch_device import TorchDevice
+from aserve.devices.torch_device import TorchDevice
 from scheduling.clock import Clock, MonotonicClock
 from scheduling.step import StepOutput, StepPlan
 

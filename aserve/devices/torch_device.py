@@ -27,9 +27,9 @@ import torch
 
 from aserve.config import EngineConfig
 from aserve.engine.bundle import ModelBundle
-from aserve.engine.cuda_graphs import DecodeGraphs
-from aserve.engine.device import CoreShare, Device
-from aserve.engine.runner import ModelRunner
+from aserve.devices.cuda_graphs import DecodeGraphs
+from aserve.devices.device import CoreShare, Device
+from aserve.devices.runner import ModelRunner
 from model.config import ModelArgs
 from model.kv_cache import KVCache, host_swap_space, num_blocks_for_budget, num_swap_blocks
 from scheduling.block_manager import BlockManager

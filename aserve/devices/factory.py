@@ -2,19 +2,26 @@
 
     cpu | cuda[:i]  -> ModelBundle.load (weights, tokenizer) and a TorchDevice per instance
     sim:PROFILE     -> the simulated model's shape (no weights; the served model's tokenizer for
-                       prompts) and a SimDevice per instance (aserve/engine/sim_device.py)
+                       prompts) and a SimDevice per instance (aserve/devices/sim_device.py)
+    --cluster ray   -> the same, each in a Ray actor of its own (RayDevice, aserve/devices/ray_device.py)
+
+``DeviceFactory`` is the one place that makes the choice: a cluster asks it for each instance's
+device and never looks at which kind it got; it owns the Ray connection (made at ``start``,
+dropped at ``close``) and knows how many cores there are to share.
 """
 from __future__ import annotations
 
+import asyncio
 import functools
+import os
 from pathlib import Path
 from typing import Optional
 
-from aserve.config import EngineConfig
+from aserve.config import ClusterConfig, EngineConfig
 from aserve.engine.bundle import ModelBundle
-from aserve.engine.device import CoreShare, Device
-from aserve.engine.sim_device import SimDevice, SimProfile, load_profile
-from aserve.engine.torch_device import TorchDevice
+from aserve.devices.device import CoreShare, Device
+from aserve.devices.sim_device import SimDevice, SimProfile, load_profile
+from aserve.devices.torch_device import TorchDevice
 
 
 def is_sim(cfg: EngineConfig) -> bool:
@@ -35,7 +42,7 @@ def device_cost(cfg: EngineConfig, threads: int):
     measured engine (measured now, once, if never before)."""
     if is_sim(cfg):
         return _profile(cfg.device.removeprefix("sim:"), cfg, threads).cost
-    from aserve.engine.device_profile import load_or_measure
+    from aserve.profiles.device_profile import load_or_measure
 
     return load_or_measure(cfg, threads)
 
@@ -84,7 +91,7 @@ def make_device(name: str, bundle: ModelBundle, cfg: EngineConfig, num_threads: 
 def _profile(spec: str, cfg: EngineConfig, threads: Optional[int]) -> SimProfile:
     if spec != "local":
         return _shipped_or_file(spec)
-    from aserve.engine.device_profile import load_or_measure
+    from aserve.profiles.device_profile import load_or_measure
 
     real = EngineConfig(model=cfg.model, dtype=cfg.dtype, attention=cfg.attention, block_size=cfg.block_size,
                         cache_dir=cfg.cache_dir)  # the cpu this simulation stands for
@@ -100,3 +107,60 @@ def _plain_token(bundle: ModelBundle) -> int:
     """A token id that ends nothing (no end-of-sequence or special id), for simulated samples."""
     special = set(getattr(bundle.tokenizer, "all_special_ids", []) or []) | set(bundle.eos_token_ids)
     return next(i for i in range(100, bundle.args.vocab_size) if i not in special)
+
+
+class DeviceFactory:
+    """Devices for one cluster's instances: of this process (a ``TorchDevice`` thread, or a
+    ``SimDevice``), or Ray actors (``RayDevice``), each asking Ray for its share of the cluster's
+    CPUs (of the instances planned, or of all live ones plus itself) or for one GPU."""
+
+    def __init__(self, engine: EngineConfig, cfg: ClusterConfig):
+        self.engine, self.cfg = engine, cfg
+        self.bundle: Optional[ModelBundle] = None
+        self._ray_cpus: Optional[int] = None  # the Ray cluster's CPUs, once connected (backend ray)
+        self._owns_ray = False  # this factory connected to Ray, and disconnects at close
+
+    @property
+    def local(self) -> bool:
+        return self.cfg.backend == "local"
+
+    def start(self, bundle: ModelBundle) -> None:
+        """Before the first device: the model every local device shares, and Ray's connection."""
+        self.bundle = bundle
+        if not self.local:
+            from aserve.devices import ray_runtime
+
+            self._owns_ray = ray_runtime.connect(self.cfg.ray_address)
+            self._ray_cpus = ray_runtime.total_cpus()
+
+    def close(self) -> None:
+        if self._owns_ray:
+            from aserve.devices import ray_runtime
+
+            ray_runtime.disconnect()
+            self._owns_ray = False
+
+    def cores(self) -> int:
+        """Torch threads to share between instances: ``--threads``, else every core there is (this
+        machine's, or the Ray cluster's once connected)."""
+        return self.engine.num_threads or self._ray_cpus or os.cpu_count() or 1
+
+    def make(self, instance_id: str, num_threads: int, share: CoreShare, planned: int, live: int) -> Device:
+        """The device of one instance. ``planned``: instances the cluster starts with; ``live``:
+        those neither failed nor removed now (a Ray actor's CPU share is of the larger)."""
+        if self.local:
+            return make_device(instance_id, self.bundle, self.engine, num_threads, share)
+        from aserve.devices.ray_device import RayDevice
+
+        num_cpus = self.cores() / max(planned, live + 1)
+        return RayDevice(instance_id, self.engine, self.bundle, num_threads, num_cpus, self.cfg.lease_s,
+                         self.cfg.actor_start_timeout_s)
+
+    async def build(self, instance_id: str, num_threads: int, share: CoreShare, planned: int, live: int) -> Device:
+        """``make`` for an instance added while the cluster serves: a device of this process is
+        built on a worker thread (its KV pool is gigabytes of zeros; on CUDA its graphs are
+        captured), so no stream waits for it; a simulated one is cheap and lives on virtual time,
+        a Ray actor starts on its own."""
+        if not self.local or is_sim(self.engine):
+            return self.make(instance_id, num_threads, share, planned, live)
+        return await asyncio.to_thread(self.make, instance_id, num_threads, share, planned, live)

@@ -10,7 +10,7 @@ derived from, and the one a simulated device runs on.
 ``linear`` is timed on decode rows, each of which produces logits; ``logits_row`` is what a row
 that produces none (a prompt row before its chunk's last, padding) takes back: the LM head, a
 fifth of a small model's per-row work (0 in a profile that never measured it: ``aserve profile
-device --from-steps`` fits it on steps timed inside replays, aserve/engine/calibrate.py).
+device --from-steps`` fits it on steps timed inside replays, aserve/profiles/calibrate.py).
 
 ``linear`` is a table (a batch-1 step is bound by reading the weights, a 2,048-row one by the
 products: no straight line fits both); the two attention terms are per pair and per token of
@@ -19,11 +19,11 @@ memory bus is busy (this machine's two cores share one): ``t · (1 + contention)
 
 ``speed_trace`` (empty unless asked for) is how fast the machine ran minute by minute in one
 logged replay, as ((seconds after the start, factor), ...): a simulated device multiplies a step
-that starts in a window by its factor (aserve/engine/sim_device.py), so a validation can replay a
+that starts in a window by its factor (aserve/devices/sim_device.py), so a validation can replay a
 shared VM's drift instead of one number for the whole run (``aserve profile device --speed-window``).
 The settings derived below never read it.
 
-Measured by ``aserve profile device`` (aserve/engine/device_profile.py) on the real engine, or
+Measured by ``aserve profile device`` (aserve/profiles/device_profile.py) on the real engine, or
 written by hand from published hardware figures (a simulated V100), as JSON.
 """
 from __future__ import annotations

@@ -32,9 +32,9 @@ from ray.exceptions import RayError
 
 from aserve.config import EngineConfig
 from aserve.engine.bundle import ModelBundle
-from aserve.engine.device import Device, DeviceFault
-from aserve.engine.device_host import DeviceHost
-from aserve.engine.torch_device import pool_num_blocks, swap_num_blocks
+from aserve.devices.device import Device, DeviceFault
+from aserve.devices.device_host import DeviceHost
+from aserve.devices.torch_device import pool_num_blocks, swap_num_blocks
 from netemu.transfer import TransferError, block_nbytes, check_blocks
 from scheduling.step import StepOutput, StepPlan
 

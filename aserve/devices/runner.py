@@ -1,6 +1,6 @@
 """The runner: the only place that turns a ``StepPlan`` into tensors and calls the model.
 
-A torch device (aserve/engine/torch_device.py) hands the plan its scheduler made, immutable, to
+A torch device (aserve/devices/torch_device.py) hands the plan its scheduler made, immutable, to
 its own single-thread executor, which calls ``ModelRunner.execute`` and returns a ``StepOutput``.
 The runner never touches ``Request`` objects or block managers.
 """
@@ -11,8 +11,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from aserve.engine.cuda_graphs import DecodeGraphs
-from aserve.engine.logprobs import prompt_logprobs, sampled_logprobs
+from aserve.devices.cuda_graphs import DecodeGraphs
+from aserve.devices.logprobs import prompt_logprobs, sampled_logprobs
 from model.attention import AttentionMeta, PrefillSeq, causal_mask
 from model.kv_cache import HostKV, KVCache
 from model.sampler import SampleSpec, sample
@@ -25,7 +25,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCache, device, seed: int = 0,
                  host_kv: Optional[HostKV] = None):
         self.model, self.kv, self.device = model, kv, torch.device(device)
-        # decode steps as replayed CUDA graphs (aserve/engine/cuda_graphs.py), once captured
+        # decode steps as replayed CUDA graphs (aserve/devices/cuda_graphs.py), once captured
         self.graphs: Optional[DecodeGraphs] = None
         # swap space in host memory: the pool's dtype or INT8 + scales; the runner alone knows
         # which (schedulers hand out host block ids only)

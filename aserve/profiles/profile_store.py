@@ -1,6 +1,6 @@
 """Measured engine figures kept between runs, under ``~/.cache/aserve``.
 
-- ``device_profiles.json``: a ``CostModel`` (aserve/engine/cost_model.py) per (model, device,
+- ``device_profiles.json``: a ``CostModel`` (aserve/profiles/cost_model.py) per (model, device,
   dtype, torch threads), measured by ``aserve profile device``, or on the first run that needs a
   setting derived from it (the prefill chunk size, the Sarathi token budget). Each keeps the
   machine it was measured on and the measurement's version; a profile of another machine, or of an
@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from aserve.engine.cost_model import CostModel
+from aserve.profiles.cost_model import CostModel
 
 DEFAULT_CHUNK = 512
 DEFAULT_TOKEN_BUDGET = 512

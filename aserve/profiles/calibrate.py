@@ -5,7 +5,7 @@ each other on warm caches, prompt chunks compute logits for one row where the pr
 rows each computed theirs, and a neighbour instance shares the memory bus. The step log
 (aserve/engine/step_log.py) records what a replay really ran; this refits the same model on it.
 
-The model (aserve/engine/cost_model.py) is linear in its unknowns for a given contention:
+The model (aserve/profiles/cost_model.py) is linear in its unknowns for a given contention:
 
     t_k / (1 + c · b_k) = Σ_i w_i(T_k) · y_i + attn_prefill · P_k + attn_decode · D_k - logits_row · U_k
 
@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import numpy as np
 from scipy.optimize import nnls
 
-from aserve.engine.cost_model import CostModel, linear_weights
+from aserve.profiles.cost_model import CostModel, linear_weights
 from aserve.engine.step_log import LoggedStep
 
 KINDS = ("prefill", "decode", "mixed", "all")

@@ -28,8 +28,8 @@ from typing import Callable, Optional
 
 import torch
 
-from aserve.engine.cost_model import CostModel, fit_attention
-from aserve.engine.runner import ModelRunner
+from aserve.profiles.cost_model import CostModel, fit_attention
+from aserve.devices.runner import ModelRunner
 from model.kv_cache import KVCache
 from scheduling.block_manager import BlockManager, blocks_needed
 from scheduling.step import GREEDY, SeqStep, StepPlan
@@ -225,7 +225,7 @@ def num_points() -> int:
 def load_or_measure(cfg, threads: int, quiet: bool = False) -> CostModel:
     """The saved profile of ``cfg``'s model, device and dtype at ``threads``, or measured now (with
     a progress line on stderr) and saved: the first run that needs it pays about half a minute."""
-    from aserve.engine.profile_store import cost_model
+    from aserve.profiles.profile_store import cost_model
 
     cost = cost_model(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, threads, machine(), PROFILE_VERSION)
     if cost is not None:
@@ -242,7 +242,7 @@ def measure_and_save(cfg, threads: int, reps: int = 3, out: Optional[str] = None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from aserve.engine.bundle import ModelBundle
-    from aserve.engine.profile_store import save_cost_model
+    from aserve.profiles.profile_store import save_cost_model
     from model.attention import pick_backend
 
     console = Console(stderr=True)

@@ -7,7 +7,7 @@
 
 ``--device sim:PROFILE`` picks the profile:
 
-- ``sim:opt-13b-v100-32gb`` (shipped, aserve/engine/sim_profiles/): a model and a GPU from
+- ``sim:opt-13b-v100-32gb`` (shipped, aserve/profiles/sim_profiles/): a model and a GPU from
   public figures, with the efficiency factors stated and justified in the file; KV capacity from
   the GPU's memory less the weights; its own model's shape (OPT-13B: 819,200 B of KV a token).
 - ``sim:local``: this machine's measured engine (``aserve profile device`` at the instances'
@@ -15,7 +15,7 @@
 - ``sim:FILE.json``: a cost model file (``aserve profile device --out``) like ``local``, or a
   hardware file shaped like the shipped ones.
 
-On the virtual-time loop (aserve/engine/virtual_time.py) a replay runs as fast as the host
+On the virtual-time loop (aserve/devices/virtual_time.py) a replay runs as fast as the host
 computes the schedules; on a normal loop the sleeps pace it to wall time.
 """
 from __future__ import annotations
@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from aserve.engine.cost_model import CostModel
-from aserve.engine.device import CoreShare, Device
+from aserve.profiles.cost_model import CostModel
+from aserve.devices.device import CoreShare, Device
 from model.config import ModelArgs
 from scheduling.step import StepOutput, StepPlan
 
-PROFILE_DIR = Path(__file__).resolve().parent / "sim_profiles"
+PROFILE_DIR = Path(__file__).resolve().parents[1] / "profiles" / "sim_profiles"  # shipped with the cost model
 GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 

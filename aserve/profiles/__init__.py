@@ -1,0 +1,1 @@
+"""What a device costs: the cost model, its measured and shipped profiles, calibration."""
