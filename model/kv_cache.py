@@ -46,7 +46,7 @@ class KVCache:
                  scratch: bool = False):
         """``scratch``: one block more than ``num_blocks``, at index ``num_blocks``, that no block
         manager hands out: the pad rows of a replayed CUDA graph write their K/V there and attend to
-        it alone (aserve/engine/cuda_graphs.py), so they never touch a request's blocks."""
+        it alone (aserve/devices/cuda_graphs.py), so they never touch a request's blocks."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks if scratch else None
         shape = (args.num_layers, 2, num_blocks + int(scratch), block_size, args.num_kv_heads, args.head_dim)
