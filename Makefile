@@ -17,7 +17,8 @@ CI_LONG ?= tests/test_bench_engine.py tests/test_cluster.py::test_cli_generate_d
 	"tests/test_cluster.py::test_disagg_and_coupled_match_offline[coupled2]" \
 	"tests/test_cluster.py::test_decode_preemption_keeps_greedy_output[swap]"
 
-.PHONY: serve test test-long test-ci-long test-all install predictors bench results clean
+
+.PHONY: serve test test-unit test-long test-ci-long test-all install predictors bench results clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +40,11 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -ra --durations=15 -m "$(MARKS)" $(ARGS)
+
+# the fast tier: scheduling, netemu, predictors' logic and the control plane on simulated devices and
+# virtual time (tests/conftest.py: UNIT_MODULES); no model, no server, no sleeping; under a minute
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -m unit -p no:cacheprovider $$($(PY) tests/conftest.py) $(ARGS)
 
 test-long: $(STAMP)
 	$(MAKE) test MARKS=long

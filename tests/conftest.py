@@ -33,7 +33,26 @@ def kernels(pytestconfig) -> str:
     return pytestconfig.getoption("--kernels")
 
 
+# The unit tier (make test-unit, CI's first signal): modules that load no model, start no server
+# and never wait on the wall clock (the control plane runs on simulated devices and virtual time:
+# test_control_plane.py). Its tests are marked ``unit``; the rest of make test follows them in CI.
+UNIT_MODULES = frozenset({
+    "test_adaptive_policies", "test_adaptive_table", "test_alise", "test_baseline_rules",
+    "test_batching_invariants", "test_control_plane", "test_decode_policies", "test_dispatch",
+    "test_flip_policies", "test_netemu_link", "test_predictors_agreement", "test_predictors_base",
+    "test_predictor_share", "test_prefill_policies", "test_release_memory", "test_step_drift",
+    "test_step_speed",
+})
+
+
 def pytest_collection_modifyitems(config, items):
+    unit = pytest.mark.unit
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in UNIT_MODULES and not (
+                {"slow", "long", "gpu"} & set(item.keywords)):
+            item.add_marker(unit)
+    if not any("gpu" in item.keywords for item in items):
+        return  # torch is not imported for a run that has no gpu test
     import torch
 
     if torch.cuda.is_available():
@@ -64,3 +83,7 @@ def local_ray():
              logging_level=logging.WARNING)
     yield ray
     ray.shutdown()
+
+
+if __name__ == "__main__":  # make test-unit collects only these files (collecting all costs ~15 s)
+    print(" ".join(f"tests/{m}.py" for m in sorted(UNIT_MODULES)))

@@ -1,0 +1,200 @@
+"""The control plane on simulated devices and virtual time (the unit tier: no model, no sleeping).
+
+The same drills test_lifecycle.py runs on the real model, here on the shipped paper-scale
+profile (four simulated V100s' OPT-13B): requests stream through a disagg 2 + 2 cluster while
+an instance is killed, a step raises, transfers fail, instances flip or come and go; and the
+adaptive cluster's placement, keep-or-move and rebalance. Every request must end with all its
+tokens (or a readable error where the drill says so) and every surviving instance must get all
+its blocks back. Virtual time: a minute of serving runs in a fraction of a second, and nothing
+here waits on the wall clock.
+
+What these cannot check is the tokens themselves (a simulated device samples a plain token):
+test_lifecycle.py and test_adaptive_cluster.py compare greedy outputs on the real model.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from aserve.cluster.cluster import Cluster
+from aserve.cluster.lifecycle import InstanceError
+from aserve.config import ClusterConfig, EngineConfig
+from aserve.devices.virtual_time import VirtualClock, run_virtual
+from aserve.engine.bundle import ModelBundle
+from scheduling.request import SamplingParams
+from tests.cluster_support import settled, stream_all
+
+DEVICE = "sim:opt-13b-v100-32gb"
+ENGINE = EngineConfig(device=DEVICE, max_num_batched_tokens=512)
+SP = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+TWO_TWO = ClusterConfig(mode="disagg", num_prefill=2, num_decode=2, chunk_size=256, predictor="none")
+
+
+@pytest.fixture(scope="module")
+def bundle() -> ModelBundle:
+    """The simulated model's shape with a small real tokenizer (a word-level vocabulary): what a
+    cluster of simulated devices reads from a bundle, without the served model's files."""
+    import torch
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    from aserve.devices.factory import model_args
+
+    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(510)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+    return ModelBundle(Path(DEVICE), model_args(ENGINE), None, fast, torch.float16, DEVICE)
+
+
+def prompts(n: int = 20, seed: int = 7) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 500) for _ in range(rng.randrange(8, 400))] for _ in range(n)]
+
+
+def virtual(coro_fn):
+    """Run ``coro_fn(clock)`` on a virtual-time loop; a drill must also be fast on the wall clock."""
+    clock = VirtualClock()
+    t0 = time.perf_counter()
+    out = run_virtual(coro_fn(clock), clock)
+    assert time.perf_counter() - t0 < 20, "virtual time should make a drill take well under a minute"
+    return out
+
+
+def drill(bundle, during=None, after_tokens=40, then=None, cfg=TWO_TWO, ids=None, expect_all=True):
+    ids = ids or prompts()
+
+    async def main(clock):
+        async with Cluster(ENGINE, cfg, bundle=bundle, clock=clock) as cl:
+            results = await stream_all(cl, ids, SP, during, after_tokens)
+            if expect_all:
+                for i, (toks, reason, err) in enumerate(results):
+                    assert err is None and reason == "length" and len(toks) == SP.max_tokens, (i, reason, err)
+            await settled(cl, [i for i, inst in cl.instances.items() if inst.state == "active"])
+            if then is not None:
+                await then(cl, results)
+    virtual(main)
+
+
+def test_disagg_hands_every_request_over_and_returns_every_block(bundle):
+    async def then(cl, results):
+        assert cl.counts["finished"] == 20
+        # every token after the first was decoded on a decode instance, after a hand-over
+        assert sum(i.num_decode_tokens for i in cl.instances.values() if i.role == "decode") == 20 * (SP.max_tokens - 1)
+        assert sum(link.stats()["num_done"] for link in cl.handoff.links.values()) == 20
+    drill(bundle, then=then)
+
+
+def test_killed_decode_instance_loses_no_request(bundle):
+    async def kill(cl):
+        busy = max(("d2", "d3"), key=lambda i: cl.instances[i].num_requests)
+        assert cl.instances[busy].num_requests > 0, "the drill must hit a busy instance"
+        cl.lifecycle.kill(busy, "drill: worker killed")
+
+    async def then(cl, results):
+        assert cl.lifecycle.counts["reruns"] > 0 and cl.lifecycle.counts["instance_failures"] == 1
+        (failure,) = cl.lifecycle.failure_log
+        assert failure["requests"] > 0
+    drill(bundle, kill, then=then)
+
+
+def test_prefill_step_that_raises_loses_no_request(bundle):
+    async def fault(cl):
+        cl.lifecycle.inject_fault("p0")
+
+    async def then(cl, results):
+        assert cl.instances["p0"].state == "failed" and "injected fault" in cl.instances["p0"].failure
+    drill(bundle, fault, after_tokens=1, then=then)
+
+
+def test_failed_transfers_are_retried_and_free_both_sides(bundle):
+    async def fail_links(cl):
+        cl.handoff.inject_faults(3)
+
+    async def then(cl, results):
+        counts = cl.handoff.counts
+        assert counts["transfer_failures"] == 3
+        assert counts["transfer_retries"] + counts["transfer_recomputes"] == 3
+    drill(bundle, fail_links, after_tokens=1, then=then)
+
+
+def test_no_instance_left_ends_requests_with_a_clear_error(bundle):
+    async def kill_both(cl):
+        cl.lifecycle.kill("d1")
+        cl.lifecycle.kill("p0")
+
+    async def then(cl, results):
+        assert all(reason == "error" and "no healthy instance" in err for _, reason, err in results)
+        assert not cl.requests
+    drill(bundle, kill_both, after_tokens=3, cfg=ClusterConfig(mode="disagg", chunk_size=256, predictor="none"),
+          ids=prompts(8), expect_all=False, then=then)
+
+
+def test_flips_under_load_keep_every_request(bundle):
+    records = []
+
+    async def flips(cl):
+        records.append(await cl.lifecycle.flip("p0", "decode", reason="test"))
+        records.append(await cl.lifecycle.flip("d2", "prefill", reason="test"))
+
+    async def then(cl, results):
+        assert {i.id: i.role for i in cl.instances.values()} == {"p0": "decode", "p1": "prefill",
+                                                                 "d2": "prefill", "d3": "decode"}
+        assert cl.lifecycle.counts["flips"] == 2 and all(r["drain_s"] >= 0 for r in records)
+        again = await stream_all(cl, prompts(8, seed=3), SP)
+        assert all(reason == "length" and len(t) == SP.max_tokens for t, reason, _ in again)
+        await cl.lifecycle.flip("p1")  # idle: drains at once
+        with pytest.raises(InstanceError, match="last active prefill"):
+            await cl.lifecycle.flip("d2")
+    drill(bundle, flips, after_tokens=20, then=then)
+
+
+def test_add_and_remove_instances_under_load(bundle):
+    removed = []
+
+    async def churn(cl):
+        new = await cl.lifecycle.add("decode")
+        assert new.state == "active" and new.role == "decode"
+        removed.append(await cl.lifecycle.remove("d2"))
+        removed.append(await cl.lifecycle.remove("p0"))
+
+    async def then(cl, results):
+        assert set(cl.instances) == {"p1", "d3", "d4"}
+        with pytest.raises(InstanceError, match="last active prefill"):
+            await cl.lifecycle.remove("p1")
+        with pytest.raises(InstanceError, match="bad role"):
+            await cl.lifecycle.add("coupled")
+    drill(bundle, churn, after_tokens=30, then=then)
+
+
+def test_abort_anywhere_frees_every_block(bundle):
+    async def main(clock):
+        async with Cluster(ENGINE, TWO_TWO, bundle=bundle, clock=clock) as cl:
+            handles = [cl.submit(p, SP, request_id=f"r{i}") for i, p in enumerate(prompts())]
+            phases = set()
+            for k, wait in enumerate((0.05, 0.3, 0.6, 1.0, 1.5, 2.5)):  # a few at a time, in whatever phase
+                await asyncio.sleep(wait)
+                for h in handles[k::6]:
+                    phases.add(h.phase)
+                    cl.abort(h.request.request_id)
+            await settled(cl, list(cl.instances))
+            assert cl.counts["aborted"] > 0 and len(phases - {"done"}) >= 2, phases
+    virtual(main)
+
+
+def test_adaptive_places_prompts_and_rebalances_the_tail(bundle):
+    cfg = ClusterConfig(mode="adaptive", num_prefill=1, num_decode=1, chunk_size=256, predictor="none",
+                        rebalance_quiet_s=0.5)
+
+    async def then(cl, results):
+        placed = cl.placements
+        assert placed["prefill"] + placed["decode"] == 20
+        assert cl.counts["finished"] == 20
+    drill(bundle, cfg=cfg, then=then)
