@@ -3,22 +3,25 @@
 Every ``results/*.json`` is one question a user asks, as a command wrote it (or, for runs made
 before their command wrote JSON, as the notebook recorded them) plus a ``meta`` block::
 
-    {"meta": {"order": 30, "title": "...", "question": "...", "machine": "...", "commit": "...",
-              "date": "...", "command": "...", "wall_time": "...", "notes": "docs/notes/..."},
+    {"meta": {"order": 30, "kind": "...", "title": "...", "question": "...", "machine": "...", "commit": "...",
+              "date": "...", "command": "...", "wall_time": "...", "notes": "docs/notes/...",
+              "source": "the heading of the run in the notes"},
      "data": {...}}
 
 A section is rendered by the function named after the file's ``kind`` (``meta.kind``), which reads
 only ``data``: a figure in the page cannot drift from its file. The page, and the plots under
 docs/plots/results/, are written anew each time; with the same files the output is the same, byte
-for byte (a test regenerates it and compares).
+for byte (tests/test_results_page.py renders the page and compares it with the committed one).
 
     python scripts/results_page.py [--check]      # --check: exit 1 if docs/RESULTS.md would change
+                                                  # (draws the plots in a temporary folder: no file written)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +45,8 @@ def fmt(x, digits: int = 2) -> str:
         return "n/a"
     if isinstance(x, str):
         return x
+    if isinstance(x, int):
+        return f"{x:,}"
     if abs(x) >= 100:
         return f"{x:,.0f}"
     if 0 < abs(x) < 1:
@@ -55,26 +60,43 @@ def table(columns: list[str], rows: list[list]) -> str:
     return "\n".join(out)
 
 
-def _plot(name: str, draw: Callable) -> str:
-    """Draw with ``draw(ax)`` into docs/plots/results/NAME.png (no timestamp in the file, so the
-    same data gives the same bytes); returns the page's link to it."""
+def _plot(name: str, draw: Callable, out: Path = PLOTS) -> str:
+    """Draw with ``draw(ax)`` into OUT/NAME.png (no timestamp in the file, so the same data gives
+    the same bytes); returns the page's link to it, which names docs/plots/results/ whatever OUT
+    is (a check renders its plots elsewhere and compares only the page)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    PLOTS.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=100)
     draw(ax)
     fig.tight_layout()
-    fig.savefig(PLOTS / f"{name}.png", metadata={"Software": None})
+    fig.savefig(out / f"{name}.png", metadata={"Software": None})
     plt.close(fig)
     return f"![{name}](plots/results/{name}.png)"
 
 
+def raw(x) -> str:
+    """A transcribed figure as its file holds it (every digit the notebook gave), thousands separated."""
+    return "n/a" if x is None else x if isinstance(x, str) else f"{x:,}"
+
+
+def pct(x: float, sign: bool = False) -> str:
+    """A fraction as a whole percent (``+4%`` with ``sign``)."""
+    return f"{x * 100:+.0f}%" if sign else f"{x * 100:.0f}%"
+
+
+def span(xs, f="{:.2f}") -> str:
+    """``lo-hi`` of some figures (one figure when they agree)."""
+    lo, hi = f.format(min(xs)), f.format(max(xs))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
 # ---- one renderer a kind: (data, name) -> (table markdown, plot markdown, reading) ---------------
 
-def render_cuda(d: dict, name: str):
+def render_cuda(d: dict, plot: Callable):
     b = d["bench_engine"]
     rows = [[f"decode step ms, batch {k}", b["decode"][k]["step_ms"], b["decode_eager"][k]["step_ms"],
              b["decode_eager"][k]["step_ms"] / b["decode"][k]["step_ms"]] for k in b["decode"]]
@@ -106,42 +128,49 @@ def render_cuda(d: dict, name: str):
                f"faster at batch 1, and generate runs {b['generate_speedup']:.1f}x transformers' on the same card. "
                f"The batch-1 step is still {b['decode_step_vs_roofline']:.0f}x its roofline: it is {k['count']} kernels of "
                f"{k['mean_us']:.1f} us each ({k['device_ms']:.2f} ms summed), so fewer, fused kernels are what is left.")
-    return t, _plot(name, draw), reading
+    return t, plot(draw), reading
 
 
 RENDERERS: dict[str, Callable] = {"cuda": render_cuda}
 
 
-def section(path: Path) -> tuple[int, str]:
+def section(path: Path, plots: Path = PLOTS) -> tuple[int, str]:
     doc = json.loads(path.read_text())
     meta, data = doc["meta"], doc["data"]
     kind = meta["kind"]
     if kind not in RENDERERS:
         raise SystemExit(f"{path}: meta.kind {kind!r} has no renderer in scripts/results_page.py "
                          f"(known: {', '.join(sorted(RENDERERS))})")
-    tab, plot, reading = RENDERERS[kind](data, path.stem)
+    tab, plot, reading = RENDERERS[kind](data, lambda draw: _plot(path.stem, draw, plots))
+    more = f"[{meta['notes']}]({Path(meta['notes']).relative_to('docs')})" if meta.get("notes") else ""
+    if meta.get("source"):
+        more += f", \"{meta['source']}\""
     lines = [f"## {meta['title']}", "", f"*{meta['question']}*", "", reading, "", tab, "", plot, "",
-             f"Machine: {meta['machine']}. Commit {meta['commit']}, {meta['date']}. Wall time: {meta['wall_time']}.",
-             "", "```sh", meta["command"], "```"]
-    if meta.get("notes"):
-        lines += ["", f"More: [{meta['notes']}]({Path(meta['notes']).relative_to('docs')})"]
+             f"Machine: {meta['machine']}. Commit {meta['commit']}, {meta['date']}. Wall time: {meta['wall_time']}."
+             + (f" More: {more}." if more else ""), "", "```sh", meta["command"], "```"]
     return meta["order"], "\n".join(lines)
 
 
-def render() -> str:
-    sections = sorted(section(p) for p in sorted(RESULTS.glob("*.json")))
+def render(results: Path = RESULTS, plots: Path = PLOTS) -> str:
+    """The page from every results/*.json, its plots written under ``plots``."""
+    sections = sorted(section(p, plots) for p in sorted(results.glob("*.json")))
     return HEAD + "\n" + "\n\n".join(s for _, s in sections) + "\n"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="exit 1 if docs/RESULTS.md differs from what the data gives")
+    p.add_argument("--check", action="store_true", help="exit 1 if docs/RESULTS.md differs from what the data gives "
+                   "(the plots are drawn in a temporary folder, and only their presence is checked)")
     a = p.parse_args(argv)
-    text = render()
     if a.check:
-        same = PAGE.exists() and PAGE.read_text() == text
-        print("docs/RESULTS.md is up to date" if same else "docs/RESULTS.md differs from results/*.json: run make results")
+        with tempfile.TemporaryDirectory() as tmp:
+            text = render(plots=Path(tmp))
+            missing = sorted(f.name for f in Path(tmp).glob("*.png") if not (PLOTS / f.name).exists())
+        same = PAGE.exists() and PAGE.read_text() == text and not missing
+        print("docs/RESULTS.md is up to date" if same else "docs/RESULTS.md differs from results/*.json"
+              + (f" (plots missing: {', '.join(missing)})" if missing else "") + ": run make results")
         return 0 if same else 1
+    text = render()
     PAGE.write_text(text)
     print(f"wrote {PAGE.relative_to(ROOT)} ({text.count(chr(10))} lines) and {len(list(PLOTS.glob('*.png')))} plots")
     return 0
