@@ -131,7 +131,58 @@ def render_cuda(d: dict, plot: Callable):
     return t, plot(draw), reading
 
 
-RENDERERS: dict[str, Callable] = {"cuda": render_cuda}
+def render_engine_cpu(d: dict, plot: Callable):
+    runs, goal = d["runs"], d["targets"]
+    names = list(runs)
+    chunks = [c for c in runs[names[0]]["prefill_tokens_per_s"] if all(c in r["prefill_tokens_per_s"] for r in runs.values())]
+    batches = list(runs[names[0]]["decode_step_ms"])
+    rows = [[f"prefill tokens/s, chunk {c}"] + [raw(r["prefill_tokens_per_s"][c]) for r in runs.values()] for c in chunks]
+    rows.append(["saturate_chunk"] + [raw(r["saturate_chunk"]) for r in runs.values()])
+    rows += [[f"decode step ms, batch {b}"] + [raw(r["decode_step_ms"][b]) for r in runs.values()] for b in batches]
+    rows.append(["generate tokens/s, aserve"] + [raw(r["aserve_generate_tokens_per_s"]) for r in runs.values()])
+    rows.append(["generate tokens/s, transformers"] + [raw(r.get("hf_generate_tokens_per_s")) for r in runs.values()])
+    rows.append([f"**speedup over transformers** (goal >= {goal['generate_speedup']})"]
+                + [f"**{r['generate_speedup']:.2f}x**" for r in runs.values()])
+    rows.append([f"**batch-1 step / read roofline** (goal <= {goal['decode_step_vs_roofline']})"]
+                + [f"**{r['decode_step_vs_roofline']:.2f}x**" for r in runs.values()])
+    t = table(["figure"] + [f"{n} ({r['commit']})" for n, r in runs.items()], rows)
+
+    def draw(ax):
+        w = 0.8 / len(names)
+        for i, (n, r) in enumerate(runs.items()):
+            ax.bar([j + (i - (len(names) - 1) / 2) * w for j in range(len(batches))],
+                   [r["decode_step_ms"][b] for b in batches], w, label=n)
+        ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+        ax.set_yscale("log")
+        ax.set_ylabel(f"decode step, ms ({d['decode_context_tokens']} context)")
+        ax.legend(fontsize=8)
+
+    same_day = [r for r in runs.values() if r["commit"] == runs[names[0]]["commit"]]
+    speed = [r["generate_speedup"] for r in same_day]
+    roof = [r["decode_step_vs_roofline"] for r in same_day]
+    native, fallback = (runs[n] for n in names[-2:])
+    slower = [fallback["decode_step_ms"][b] / native["decode_step_ms"][b] for b in batches]
+    kept = [fallback["prefill_tokens_per_s"][c] / native["prefill_tokens_per_s"][c] for c in chunks]
+
+    def met(xs, ok):
+        return "met in every run" if all(ok(x) for x in xs) else "not met"
+    reading = (f"In the {len(same_day)} runs of {same_day[0]['date']} the engine generated {span(speed)}x the tokens/s of "
+               f"transformers' `generate` on the same prompts (goal {goal['generate_speedup']}x: "
+               f"{met(speed, lambda x: x >= goal['generate_speedup'])}), and its batch-1 decode step took {span(roof)}x "
+               f"the time to read the weights once at the bandwidth measured beside it (goal "
+               f"{goal['decode_step_vs_roofline']}x: {met(roof, lambda x: x <= goal['decode_step_vs_roofline'])}). "
+               f"Where the C++ kernels do not build (`--kernels fallback`, measured beside native on {fallback['date']}), "
+               f"decode steps are {span(slower, '{:.1f}')}x slower and prefill keeps {span([k * 100 for k in kept], '{:.0f}')}% "
+               f"of its speed, and generate still runs {fallback['generate_speedup']:.2f}x transformers'. ")
+    if d["peers_measured"]:
+        reading += f"Measured beside it: {', '.join(d['peers_measured'])}."
+    else:
+        reading += ("No llama.cpp-class engine has been measured side by side yet (issue 57 asks for one): "
+                    "this section compares with transformers only.")
+    return t, plot(draw), reading
+
+
+RENDERERS: dict[str, Callable] = {"cuda": render_cuda, "engine_cpu": render_engine_cpu}
 
 
 def section(path: Path, plots: Path = PLOTS) -> tuple[int, str]:
