@@ -182,7 +182,49 @@ def render_engine_cpu(d: dict, plot: Callable):
     return t, plot(draw), reading
 
 
-RENDERERS: dict[str, Callable] = {"cuda": render_cuda, "engine_cpu": render_engine_cpu}
+def render_peer(d: dict, plot: Callable):
+    runs, col = d["runs"], {c: i for i, c in enumerate(d["columns"])}
+    rows = []
+    for server, by_streams in runs.items():
+        for k, (streams, v) in enumerate(by_streams.items()):
+            rows.append([server if k == 0 else "", streams, raw(v[col["output_tokens_per_s"]]),
+                         f"{raw(v[col['ttft_median_ms']])} / {raw(v[col['ttft_p95_ms']])}",
+                         f"{raw(v[col['itl_median_ms']])} / {raw(v[col['itl_p95_ms']])}"])
+    t = table(["server", "streams", "output tok/s", "TTFT median / p95 ms", "ITL median / p95 ms"], rows)
+
+    def draw(ax):
+        for server, by_streams in runs.items():
+            ax.plot([int(s) for s in by_streams], [v[col["output_tokens_per_s"]] for v in by_streams.values()],
+                    marker="o", linestyle="--" if server.startswith("vllm") else "-", label=server)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([int(s) for s in runs[next(iter(runs))]], [str(s) for s in runs[next(iter(runs))]])
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel("output tokens/s")
+        ax.legend(fontsize=8)
+
+    ours, peer = "aserve", "vllm-best"
+    better = {"output_tokens_per_s": 1, "ttft_median_ms": -1, "ttft_p95_ms": -1, "itl_median_ms": -1, "itl_p95_ms": -1}
+    label = {"output_tokens_per_s": "output tok/s", "ttft_median_ms": "TTFT median", "ttft_p95_ms": "TTFT p95",
+             "itl_median_ms": "ITL median", "itl_p95_ms": "ITL p95"}
+    leads, loses = [], []
+    for streams, v in runs[ours].items():
+        for c, sign in better.items():
+            a, b = v[col[c]], runs[peer][streams][col[c]]
+            (leads if (a - b) * sign > 0 else loses).append((streams, c, a, b))
+    ratios = [runs[ours][s][col["output_tokens_per_s"]] / runs[peer][s][col["output_tokens_per_s"]] for s in runs[ours]]
+    ok = sum(v[col["ok"]] for r in runs.values() for v in r.values())
+    errored = sum(v[col["errored"]] for r in runs.values() for v in r.values())
+    reading = (f"`{ours}` (what `make serve` runs: {d['servers'][ours].split(': ', 1)[-1]}) leads `{peer}` "
+               f"({d['servers'][peer].split(' (')[0]}) in {len(leads)} of {len(leads) + len(loses)} cells; its output "
+               f"tokens/s are {', '.join(f'{x:.2f}x' for x in ratios)} vLLM's at {', '.join(runs[ours])} streams"
+               + (f" (ahead at every concurrency)" if min(ratios) > 1 else "") + f". It loses {len(loses)}: "
+               + "; ".join(f"{label[c]} at {s} stream{'s' if s != '1' else ''}, {raw(a)} against {raw(b)}"
+                           + ("" if c == "output_tokens_per_s" else " ms") for s, c, a, b in loses)
+               + f". Every request of every run completed ({ok} ok, {errored} errored). {d['workload']}.")
+    return t, plot(draw), reading
+
+
+RENDERERS: dict[str, Callable] = {"cuda": render_cuda, "engine_cpu": render_engine_cpu, "peer": render_peer}
 
 
 def section(path: Path, plots: Path = PLOTS) -> tuple[int, str]:
