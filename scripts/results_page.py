@@ -273,8 +273,55 @@ def render_predictor(d: dict, plot: Callable):
     return t, plot(draw), reading
 
 
+def render_simulator(d: dict, plot: Callable):
+    lim, metrics, cells = d["limits_pct"], d["metrics"], d["cells"]
+
+    def over(metric: str, err: float) -> bool:
+        return abs(err) > (lim["p99"] if "P99" in metric else lim["mean"])
+    rows, seen = [], set()
+    for r in cells["runs"]:
+        w = r["workload"]
+        held = cells["held_out_cells_over"][w]
+        rows.append([w if w not in seen else "", r["system"], f"{r['speed']:.3f}"]
+                    + [f"{c[2]:+d}%" + (" !" if over(m, c[2]) else "") for m, c in zip(metrics, r["cells"])]
+                    + [f"{held[0]} of {held[1]}" if w not in seen else ""])
+        seen.add(w)
+    t = table(["run", "system", "speed fitted on the run"] + metrics + ["no speed: cells over (held out)"], rows)
+    fitted_over = sum(over(m, c[2]) for r in cells["runs"] for m, c in zip(metrics, r["cells"]))
+    fitted_of = sum(len(r["cells"]) for r in cells["runs"])
+    vals = [dict(v, over=fitted_over, of=fitted_of) if v.get("cells_from") == "cells" else v for v in d["validations"]]
+
+    def held_out(v) -> bool:  # nothing from the compared run fed the simulation
+        return v["fitted_on"] in (None, "other runs' steps")
+
+    def draw(ax):
+        ys = range(len(vals))[::-1]
+        ax.barh(list(ys), [100 * v["over"] / v["of"] for v in vals], color=["C3" if held_out(v) else "0.6" for v in vals])
+        for y, v in zip(ys, vals):
+            ax.text(100 * v["over"] / v["of"] + 1, y, f"{v['over']}/{v['of']}", va="center", fontsize=7)
+        ax.set_yticks(list(ys), [v["label"] for v in vals], fontsize=7)
+        ax.set_xlim(0, 110)
+        ax.set_xlabel("cells over the limits, % (red: held out; grey: fitted on the compared run)", fontsize=8)
+
+    held = [v for v in vals if held_out(v)]
+    alone = [v for v in held if v["fitted_on"] is None]
+    speed = [v for v in vals if (v["fitted_on"] or "").startswith("the compared run's speed") and v.get("cells_from") != "cells"]
+    reading = (f"A cell is one figure of one system's replay (mean and P99 of TTFT, token gap and JCT), over when the "
+               f"simulated figure is off by more than {lim['mean']}% on a mean or {lim['p99']}% on a P99. **Held out** "
+               f"(nothing from the compared run feeds the simulation), {sum(v['over'] for v in held)} of "
+               f"{sum(v['of'] for v in held)} cells were over in {len(held)} validations; with the profile measured alone "
+               f"{sum(v['over'] for v in alone)} of {sum(v['of'] for v in alone)} ("
+               + ", ".join(f"{v['over']} of {v['of']}" for v in alone)
+               + f"). The table's runs are inside the limits ({fitted_over} of {fitted_of} over) only because each is "
+               f"replayed at a speed **fitted on that same run** ({span([r['speed'] for r in cells['runs']], '{:.3f}')}x the "
+               f"profile's costs); so are the later " + " and ".join(f"{v['over']} of {v['of']} ({v['commit']})" for v in speed)
+               + ": they say the simulator's schedules reproduce a run once that run's speed is known, not that it "
+               "predicts one it has not seen (issue 58).")
+    return t, plot(draw), reading
+
+
 RENDERERS: dict[str, Callable] = {"cuda": render_cuda, "engine_cpu": render_engine_cpu, "peer": render_peer,
-                                  "predictor": render_predictor}
+                                  "predictor": render_predictor, "simulator": render_simulator}
 
 
 def section(path: Path, plots: Path = PLOTS) -> tuple[int, str]:
