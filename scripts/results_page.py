@@ -320,8 +320,48 @@ def render_simulator(d: dict, plot: Callable):
     return t, plot(draw), reading
 
 
+def render_ray(d: dict, plot: Callable):
+    steps = {k: v for k, v in d["steps_ms"].items() if k != "about"}
+    kv = {k: v for k, v in d["kv_copy_gb_s"].items() if k != "about"}
+    rep = {k: v for k, v in d["replays"].items() if k not in ("about", "columns")}
+    col = {c: i for i, c in enumerate(d["replays"]["columns"])}
+    shown = {"ttft_mean_s": "mean TTFT s", "tpot_mean_s": "mean TPOT s", "jct_mean_s": "mean JCT s"}
+    rows = [[f"step ms, {k}", raw(a), raw(b), b / a] for k, (a, b) in steps.items()]
+    rows += [[f"KV copy GB/s, {k} blocks", raw(a), raw(b), b / a] for k, (a, b) in kv.items()]
+    rows += [[f"{w} replay, {label}", raw(s["in-process"][col[c]]), raw(s["ray"][col[c]]), s["ray"][col[c]] / s["in-process"][col[c]]]
+             for w, s in rep.items() for c, label in shown.items()]
+    t = table(["figure", "in-process", "ray actors", "ray / in-process"], rows)
+    lat = [(f"step: {k}", b / a - 1) for k, (a, b) in steps.items()]
+    lat += [(f"{w}: {label.split()[1]}", s["ray"][col[c]] / s["in-process"][col[c]] - 1)
+            for w, s in rep.items() for c, label in shown.items()]
+
+    def draw(ax):
+        ys = range(len(lat))[::-1]
+        ax.barh(list(ys), [x * 100 for _, x in lat], color="C1")
+        ax.set_yticks(list(ys), [n for n, _ in lat], fontsize=8)
+        ax.set_xlabel("ray's cost over one process, %")
+
+    extra = [b - a for a, b in steps.values()]
+    slow = [a / b for a, b in kv.values()]
+    reading = (f"A step through an actor costs {span(extra)} ms more than in one process, "
+               f"{pct(min(b / a - 1 for a, b in steps.values()), True)} to {pct(max(b / a - 1 for a, b in steps.values()), True)} "
+               f"of a step here; in a replay of 1 prefill + 1 decode instance that is "
+               + "; ".join(f"{w} TTFT {pct(s['ray'][col['ttft_mean_s']] / s['in-process'][col['ttft_mean_s']] - 1, True)}, "
+                           f"TPOT {pct(s['ray'][col['tpot_mean_s']] / s['in-process'][col['tpot_mean_s']] - 1, True)}, "
+                           f"JCT {pct(s['ray'][col['jct_mean_s']] / s['in-process'][col['jct_mean_s']] - 1, True)}"
+                           for w, s in rep.items())
+               + f", the instances' busy seconds within "
+               f"{max(abs(s['ray'][col['busy_s']] / s['in-process'][col['busy_s']] - 1) for s in rep.values()) * 100:.0f}% of one "
+               f"process's (the same steps, each waiting on a remote call). KV moves actor to actor through Ray's object store at "
+               f"{span([b for _, b in kv.values()])} GB/s, {span(slow, '{:.0f}')}x slower than one process's "
+               f"{span([a for a, _ in kv.values()])} GB/s: across hosts the KV should move by NCCL or NIXL, not the "
+               f"object store (docs/RAY.md). The step price is fixed, so it weighs on a 135M model's "
+               f"{span([a for a, _ in steps.values()], '{:.0f}')} ms CPU steps and would be small beside a GPU step of a 13B one.")
+    return t, plot(draw), reading
+
+
 RENDERERS: dict[str, Callable] = {"cuda": render_cuda, "engine_cpu": render_engine_cpu, "peer": render_peer,
-                                  "predictor": render_predictor, "simulator": render_simulator}
+                                  "predictor": render_predictor, "simulator": render_simulator, "ray": render_ray}
 
 
 def section(path: Path, plots: Path = PLOTS) -> tuple[int, str]:
