@@ -360,8 +360,52 @@ def render_ray(d: dict, plot: Callable):
     return t, plot(draw), reading
 
 
+def render_soak(d: dict, plot: Callable):
+    col, lim, soaks = {c: i for i, c in enumerate(d["columns"])}, d["limits"], d["soaks"]
+
+    def g(v, c):
+        return v[col[c]]
+    rows = [[n, "n/a" if g(v, "sent") is None else f"{raw(g(v, 'sent'))} / {raw(g(v, 'completed'))}", raw(g(v, "errored")),
+             raw(g(v, "lost")), raw(g(v, "leaked_blocks")), f"{raw(g(v, 'rss_growth_pct'))}%", raw(g(v, "loop_lag_p99_ms")),
+             raw(g(v, "kills")),
+             "n/a" if g(v, "recovery_median_s") is None else f"{raw(g(v, 'recovery_median_s'))} / {raw(g(v, 'recovery_max_s'))}"]
+            for n, v in soaks.items()]
+    t = table(["soak", "sent / completed", "errored", "**lost**", "**leaked blocks**",
+               f"**RSS growth** (limit {lim['rss_growth_pct']}%)", f"**loop lag p99 ms** (limit {lim['loop_lag_p99_ms']})",
+               "kills", "recovery s median / max"], rows)
+
+    def draw(ax):
+        names = list(soaks)
+        x = range(len(names))
+        ax.bar([i - 0.2 for i in x], [100 * g(v, "rss_growth_pct") / lim["rss_growth_pct"] for v in soaks.values()], 0.4,
+               label=f"RSS growth / {lim['rss_growth_pct']}%")
+        ax.bar([i + 0.2 for i in x], [100 * g(v, "loop_lag_p99_ms") / lim["loop_lag_p99_ms"] for v in soaks.values()], 0.4,
+               label=f"loop lag p99 / {lim['loop_lag_p99_ms']} ms")
+        ax.axhline(100, color="C3", linestyle="--", linewidth=0.8)
+        ax.set_xticks(list(x), [n.replace(", ", "\n") for n in names], fontsize=7)
+        ax.set_ylabel("share of the limit, %")
+        ax.set_ylim(0, 110)
+        ax.legend(fontsize=8)
+
+    v = list(soaks.values())
+    held = all(g(s, "lost") <= lim["lost"] and g(s, "leaked_blocks") <= lim["leaked_blocks"]
+               and g(s, "rss_growth_pct") < lim["rss_growth_pct"] and g(s, "loop_lag_p99_ms") < lim["loop_lag_p99_ms"] for s in v)
+    long = [s for n, s in soaks.items() if g(s, "sent") is not None]
+    reading = (f"{'Every limit held in all' if held else 'Not every limit held in the'} {len(v)} runs: "
+               f"{sum(g(s, 'lost') for s in v)} requests lost, {sum(g(s, 'leaked_blocks') for s in v)} KV blocks leaked, "
+               f"RSS growth at most {max(g(s, 'rss_growth_pct') for s in v):.2f}% (limit {lim['rss_growth_pct']}%), loop lag "
+               f"p99 at most {max(g(s, 'loop_lag_p99_ms') for s in v)} ms (limit {lim['loop_lag_p99_ms']} ms). The "
+               f"{len(long)} half-hour runs sent {sum(g(s, 'sent') for s in long):,} requests under client cuts, aborts, "
+               f"transfer failures and stalls, {sum(g(s, 'kills') for s in long)} kills and flips, and "
+               f"{sum(g(s, 'errored') for s in long)} errored. Their loop-lag maximum, "
+               f"{max(g(s, 'loop_lag_max_s') for s in long):.2f} s: {d['loop_lag_spikes']}. The 2-minute row is "
+               f"{d['two_minute']}.")
+    return t, plot(draw), reading
+
+
 RENDERERS: dict[str, Callable] = {"cuda": render_cuda, "engine_cpu": render_engine_cpu, "peer": render_peer,
-                                  "predictor": render_predictor, "simulator": render_simulator, "ray": render_ray}
+                                  "predictor": render_predictor, "simulator": render_simulator, "ray": render_ray,
+                                  "soak": render_soak}
 
 
 def section(path: Path, plots: Path = PLOTS) -> tuple[int, str]:
