@@ -1,0 +1,50 @@
+"""scripts/results_page.py (``make results``): docs/RESULTS.md is what the committed results/*.json
+give, so a figure changed in a file and not regenerated fails here; a reading follows its data; a
+file of a kind with no renderer is refused by name. No model, no torch: matplotlib draws into a
+temporary folder."""
+import importlib.util
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("results_page", ROOT / "scripts" / "results_page.py")
+results_page = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(results_page)
+
+
+def test_the_committed_page_is_what_the_committed_results_give(tmp_path):
+    text = results_page.render(plots=tmp_path)
+    assert text == (ROOT / "docs" / "RESULTS.md").read_text(), "docs/RESULTS.md is stale: run make results"
+    linked = set(re.findall(r"\]\(plots/results/([^)]+\.png)\)", text))
+    assert linked == {p.name for p in tmp_path.glob("*.png")}
+    assert len(linked) == len(list((ROOT / "results").glob("*.json")))  # one plot a section
+    assert not [n for n in linked if not (ROOT / "docs" / "plots" / "results" / n).exists()]
+
+
+def test_a_reading_is_computed_from_its_data(tmp_path):
+    """vLLM's best made faster at one stream than make serve: the page's count of cells moves."""
+    results = tmp_path / "results"
+    results.mkdir()
+    doc = json.loads((ROOT / "results" / "peer_vllm_cpu.json").read_text())
+    before = results_page.section(ROOT / "results" / "peer_vllm_cpu.json", tmp_path)[1]
+    assert "in 12 of 15 cells" in before and "It loses 3" in before
+    doc["data"]["runs"]["vllm-best"]["1"][0] = 60  # output tokens/s, over aserve's 55
+    (results / "peer_vllm_cpu.json").write_text(json.dumps(doc))
+    after = results_page.section(results / "peer_vllm_cpu.json", tmp_path)[1]
+    assert "in 11 of 15 cells" in after and "It loses 4" in after and "output tok/s at 1 stream, 55 against 60" in after
+    assert "(ahead at every concurrency)" not in after
+
+
+def test_a_results_file_of_an_unknown_kind_is_refused_by_name(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    shutil.copy(ROOT / "results" / "soak.json", results)
+    bad = json.loads((ROOT / "results" / "soak.json").read_text())
+    bad["meta"]["kind"] = "goodput_typo"
+    (results / "goodput.json").write_text(json.dumps(bad))
+    with pytest.raises(SystemExit, match=r"goodput\.json: meta\.kind 'goodput_typo' has no renderer .*known: .*soak"):
+        results_page.render(results, tmp_path / "plots")
