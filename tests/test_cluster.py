@@ -120,3 +120,19 @@ def test_cli_generate_disagg_equals_offline(capsys):
     assert main(q + ["--mode", "disagg", "--prefill", "2", "--decode", "2"]) == 0
     assert capsys.readouterr().out == offline
     assert "Paris" in offline
+
+
+def test_warm_up_steps_every_device_before_serving_and_gives_its_blocks_back(bundle):
+    """serve starts its cluster with ``warm_up``: each instance's device runs a prompt chunk and a
+    decode step on its own thread before the first request, in blocks it gives back."""
+    async def main():
+        cl = Cluster(engine(), ClusterConfig(mode="disagg", num_prefill=1, num_decode=1), bundle=bundle)
+        await cl.start(warm_up=True)
+        try:
+            assert all(inst.device.cpu_s > 0 for inst in cl.instances.values())
+            assert cl.free_blocks() == cl.total_blocks()
+            out, = await asyncio.gather(cl.generate(prompts([20])[0], GREEDY))
+            assert len(out.output_token_ids) == GREEDY.max_tokens
+        finally:
+            await cl.stop()
+    asyncio.run(main())

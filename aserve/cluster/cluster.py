@@ -84,7 +84,9 @@ class Cluster:
         self.step_log = None  # a StepLog every instance writes its steps to (aserve replay --step-log)
 
     # ---- start and stop ----------------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, warm_up: bool = False) -> None:
+        """Load the model, start the instances (and their devices) and the monitor. ``warm_up``:
+        each instance's device runs a first step's work once before anything is served (serve)."""
         if self.bundle is None:
             self.bundle = await asyncio.to_thread(load_bundle, self.engine)
         self.stops = StopChecker(self.bundle.tokenizer, self.bundle.eos_token_ids)
@@ -95,6 +97,8 @@ class Cluster:
         self.lifecycle.start(self._roles())
         try:  # remote devices: every actor up with its model loaded before the first request
             await asyncio.gather(*(inst.device.ready() for inst in self.instances.values()))
+            if warm_up:
+                await asyncio.gather(*(inst.warm_up() for inst in self.instances.values()))
         except BaseException:
             await self.stop()
             raise

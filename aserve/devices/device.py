@@ -80,6 +80,11 @@ class Device(ABC):
     async def _execute(self, plan: StepPlan) -> StepOutput:
         ...
 
+    async def warm_up(self, block_ids: Sequence[int]) -> None:
+        """Run what a first step would pay for once, before serving (lazy set-up: a thread's
+        OpenMP team, packed weights, the allocator's first pools), in ``block_ids`` (at least two,
+        taken from the instance's block manager and given back after). Nothing by default."""
+
     def describe(self) -> str:
         """One start-up line: where the device runs and what it holds."""
         return f"{self.name}: {self.kind}, {self.num_blocks} KV blocks of {self.block_size} tokens"

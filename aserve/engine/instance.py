@@ -85,6 +85,15 @@ class Instance:
         self.role = role
 
     # ---- the step loop ------------------------------------------------------------------
+    async def warm_up(self) -> None:
+        """The device's warm-up (``Device.warm_up``) in two of this instance's blocks, given back
+        after; before the step loop serves anything."""
+        blocks = self.blocks.allocate(2)
+        try:
+            await self.device.warm_up(blocks)
+        finally:
+            self.blocks.free(blocks)
+
     def start(self) -> None:
         self.wake = asyncio.Event()
         self.task = asyncio.create_task(self._guarded(), name=f"instance-{self.id}")
