@@ -5,13 +5,15 @@ Profiling shows both phases are linear (ALISE §3.2)::
     T_pre(s)    = s · T0            prefill of s tokens
     T_dec(s, n) = n · (α·s + β)     n decode steps at context length s
 
-``fit`` recovers ``T0``, ``α`` and ``β`` from profiled points by ordinary least squares, in pure
-Python (``scheduling/`` imports no numpy). The scheduler only ranks jobs by these estimates, so
-the model must be monotone and cheap, not exact.
+``fit`` recovers ``T0``, ``α`` and ``β`` from profiled points by ordinary least squares (numpy's).
+The scheduler only ranks jobs by these estimates, so the model must be monotone and cheap, not
+exact.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+import numpy as np
 from typing import Iterable, Optional
 
 from scheduling.dispatch import predicted_max_output
@@ -89,26 +91,21 @@ def _fit_through_origin(points: list[PrefillPoint]) -> float:
 def _fit_decode(points: list[DecodePoint]) -> tuple[float, float]:
     """Least squares of ``t = α·(n·s) + β·n`` over the points (two features, no intercept).
 
-    Solves the 2x2 normal equations. With every point at one context length α is not
-    identifiable, and a negative α (noise on a flat profile) would rank long contexts as faster:
-    both cases fall back to α = 0 and fit β alone.
+    With every point at one context length α is not identifiable (the design has rank 1), and a
+    negative α (noise on a flat profile) would rank long contexts as faster: both cases fall back
+    to α = 0 and fit β alone.
     """
     if any(n <= 0 for _, n, _ in points):
         raise ValueError("decode points need n >= 1 steps")
-    a11 = sum((n * s) ** 2 for s, n, _ in points)
-    a12 = sum(n * s * n for s, n, _ in points)
-    a22 = sum(n * n for _, n, _ in points)
-    b1 = sum(t * n * s for s, n, t in points)
-    b2 = sum(t * n for _, n, t in points)
-    det = a11 * a22 - a12 * a12
-    if det > 1e-12 * max(1.0, a11 * a22):
-        alpha = (b1 * a22 - a12 * b2) / det
-        beta = (a11 * b2 - a12 * b1) / det
+    a = np.array([(n * s, n) for s, n, _ in points], dtype=float)  # [P, 2]: features of α and β
+    t = np.array([t for _, _, t in points], dtype=float)
+    (alpha, beta), _, rank, _ = np.linalg.lstsq(a, t, rcond=None)
+    if rank == 2:
         if alpha >= 0 and beta >= 0:
-            return alpha, beta
+            return float(alpha), float(beta)
         if beta < 0 <= alpha:  # a line through the origin fits better than any β >= 0
-            return b1 / a11, 0.0
-    return 0.0, max(0.0, b2 / a22)
+            return float(a[:, 0] @ t / (a[:, 0] @ a[:, 0])), 0.0
+    return 0.0, max(0.0, float(a[:, 1] @ t / (a[:, 1] @ a[:, 1])))
 
 
 def fit(prefill_points: Iterable[PrefillPoint], decode_points: Iterable[DecodePoint]) -> LatencyModel:

@@ -2,7 +2,9 @@
 
 Decoding each new token on its own is wrong (byte-level BPE splits multi-byte characters
 across tokens; some tokenizers change a word's leading space by context), and decoding the
-whole output on every token costs O(n^2). So we keep a small window:
+whole output on every token costs O(n^2). A fast (Rust) tokenizer streams with tokenizers' own
+``DecodeStream``, which keeps the needed window itself and holds back an incomplete character;
+a tokenizer without one takes the same approach by hand, a small window:
 
     ids:   [ ... committed ... | context (prefix..read) | new (read..) ]
     delta = decode(ids[prefix:]) - decode(ids[prefix:read])
@@ -16,6 +18,8 @@ every delta equals ``StopChecker.text`` of the finished request (tests check thi
 from __future__ import annotations
 
 from typing import Sequence
+
+from tokenizers.decoders import DecodeStream
 
 _INCOMPLETE = "\ufffd"
 # How many committed tokens of context the window keeps before the new ones.
@@ -35,6 +39,9 @@ class IncrementalDetokenizer:
         self.stopped = False  # a stop string was found: the text is final
         self._prefix = 0
         self._read = 0
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer's Rust core
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=True) if backend is not None else None
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -44,6 +51,12 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         if self.stopped:
             return ""
+        if self._stream is not None:
+            piece = self._stream.step(self._backend, token_id)
+            if not piece:  # mid-character (None), or a token with no text of its own
+                return ""
+            self.text += piece
+            return self._release(final=False)
         before = self._decode(self.ids[self._prefix:self._read])
         after = self._decode(self.ids[self._prefix:])
         if after.endswith(_INCOMPLETE) or len(after) < len(before):
