@@ -81,12 +81,23 @@ async def _serve(engine, cluster_cfg, settings, host: str, port: int,
     print(f"aserve: loading {model_arg} ...", file=sys.stderr, flush=True)
     cluster = Cluster(engine, cluster_cfg)
     await cluster.start()
+    print(f"aserve: kernels {_kernels_line(cluster.bundle.kernels, engine)}", file=sys.stderr, flush=True)
     try:
         name = served_name or cluster.bundle.path.name
         await run_server(cluster, name, settings, host, port, aliases=(model_arg,), tui=tui,
                          on_stop=lambda: _exit_deadline(settings.shutdown_timeout_s + EXIT_DEADLINE_S))
     finally:
         await cluster.stop(wait_s=STOP_WAIT_S)
+
+
+def _kernels_line(kernels: str, engine) -> str:
+    """Which kernels the model runs on, and why torch's own ops when ours were wanted but do not
+    build here (a machine without a C++ compiler with OpenMP, or without Python's headers)."""
+    if kernels != "fallback" or engine.kernels != "auto" or engine.device != "cpu":
+        return kernels
+    from model import native
+
+    return f"fallback (torch's own ops, slower: {native.why_unavailable()}; see the README on a fresh machine)"
 
 
 def _exit_deadline(seconds: float) -> None:
