@@ -26,7 +26,14 @@ class ServerSettings:
     admin_open: bool = False
     max_instances: int = 8  # POST /admin/instances refuses to go past this many live instances
     max_body_bytes: int = MIB
-    max_queued_requests: int = 0  # 429 once this many requests wait for their first token; 0 = no limit
+    # Cost of one request, bounded (docs/API.md, "Limits"). max_tokens: the most tokens a choice
+    # may generate, and chat's default; None: as many as fit the context (vLLM's default)
+    max_tokens: Optional[int] = 2048
+    max_request_tokens: int = 32768  # n x (prompt + max_tokens), summed over a request's prompts
+    max_logprob_entries: int = 2**18  # logprobs in one response: choices x (echoed prompt + max_tokens) x (k + 1)
+    # choices (each of n x prompts is a request of the engine) waiting for their first token: a
+    # request that would take the count past it gets 429; 0 = no limit
+    max_queued_requests: int = 1024
     shutdown_timeout_s: float = 30.0  # in-flight requests get this long to finish on SIGINT/SIGTERM
 
     def __post_init__(self):
@@ -34,6 +41,11 @@ class ServerSettings:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 (or None: what fits the context), got {self.max_tokens}")
+        if self.max_request_tokens < 2 or self.max_logprob_entries < 1:
+            raise ValueError(f"max_request_tokens must be >= 2 and max_logprob_entries >= 1, got "
+                             f"{self.max_request_tokens} and {self.max_logprob_entries}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout_s}")
         if self.api_key is not None and not self.api_key:

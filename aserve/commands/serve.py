@@ -52,8 +52,17 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="POST /admin/instances refuses past this many live instances, each with its own KV pool (default 8)")
     s.add_argument("--served-model-name", default=None, help="model name clients use (default: the folder name)")
     s.add_argument("--max-body-bytes", type=int, default=2**20, help="larger request bodies get 413 (default 1 MiB)")
-    s.add_argument("--max-queued-requests", type=int, default=0,
-                   help="429 once this many requests wait for their first token (0: no limit)")
+    s.add_argument("--max-tokens", type=max_tokens_arg, default=2048, metavar="N|context",
+                   help="tokens a choice may generate at most, and chat's default when a request gives none "
+                        "(default 2048; context: as many as fit the context window, vLLM's default)")
+    s.add_argument("--max-request-tokens", type=int, default=32768,
+                   help="n x (prompt + max_tokens) over a request's prompts, at most (default 32768)")
+    s.add_argument("--max-logprob-entries", type=int, default=2**18,
+                   help="logprobs one response may carry: choices x (echoed prompt + max_tokens) x (k + 1) "
+                        "(default 262144)")
+    s.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="choices (n x prompts of each request) that may wait for their first token; a request "
+                        "past it gets 429 (default 1024; 0: no limit)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (then: abort)")
     s.add_argument("--tui", action="store_true", help="draw the live monitor in this terminal (docs/MONITOR.md)")
@@ -77,8 +86,22 @@ def server_settings(a: argparse.Namespace):
     if admin_key is not None and admin_key == key:
         raise ValueError("--admin-key must differ from the API key: the inference key must not open the admin routes")
     return ServerSettings(api_key=key, admin_key=admin_key, admin_open=a.admin_open, max_instances=a.max_instances,
-                          max_body_bytes=a.max_body_bytes, max_queued_requests=a.max_queued_requests,
-                          shutdown_timeout_s=a.shutdown_timeout)
+                          max_body_bytes=a.max_body_bytes, max_tokens=a.max_tokens,
+                          max_request_tokens=a.max_request_tokens, max_logprob_entries=a.max_logprob_entries,
+                          max_queued_requests=a.max_queued_requests, shutdown_timeout_s=a.shutdown_timeout)
+
+
+def max_tokens_arg(value: str) -> Optional[int]:
+    """``--max-tokens``: a count >= 1, or ``context`` (None: what fits the context window)."""
+    if value == "context":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or 'context', got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (or 'context'), got {n}")
+    return n
 
 
 def is_loopback(host: str) -> bool:
