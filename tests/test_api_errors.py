@@ -1,4 +1,5 @@
-"""Bad input gets an OpenAI-style 4xx naming the parameter; fuzzed bodies never get a 5xx;
+"""Bad input gets an OpenAI-style 4xx naming the parameter; fuzzed bodies, costly ones included,
+never get a 5xx and never run past the server's own limits (tokens, logprobs, memory, blocks);
 api key (401), back-pressure (429) and body limit (413)."""
 import asyncio
 import http.client
