@@ -119,7 +119,7 @@ def test_the_queue_counts_choices_and_checks_a_whole_request(queue_server):
     async def main():
         async with aiohttp.ClientSession() as session:
             long_one = asyncio.ensure_future(session.post(s.url + "/v1/completions", json={
-                "model": "default", "prompt": ids(800), "n": 3, "max_tokens": 1}))
+                "model": "default", "prompt": ids(400), "n": 3, "max_tokens": 1}))
             deadline = time.monotonic() + 60
             while (await asyncio.to_thread(s.stats))["num_waiting"] < 3:  # its 3 choices wait for a first token
                 assert time.monotonic() < deadline and not long_one.done()
