@@ -33,6 +33,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Optional
@@ -124,11 +125,21 @@ def use_kernels(model: torch.nn.Module, kernels: str) -> None:
 
 @functools.lru_cache(maxsize=1)
 def available() -> bool:
+    return why_unavailable() is None
+
+
+@functools.lru_cache(maxsize=1)
+def why_unavailable() -> Optional[str]:
+    """None where the kernels build (or are cached), else why not (no compiler, no OpenMP, no
+    Python headers, ...), first line only: what ``aserve serve`` says when it falls back."""
+    cxx = os.environ.get("CXX", "c++")
     try:
         load()
-    except RuntimeError:
-        return False
-    return True
+    except RuntimeError as e:
+        if shutil.which(cxx) is None:
+            return f"no C++ compiler ({cxx!r} is not on PATH; set CXX to use another)"
+        return str(e).strip().splitlines()[0][:200]
+    return None
 
 
 @functools.lru_cache(maxsize=1)

@@ -52,6 +52,7 @@ from scheduling.clock import Clock
 from scheduling.coupled import BatchingConfig, CoupledScheduler
 from scheduling.dispatch import predicted_max_output
 from scheduling.latency_model import LatencyModel
+from scheduling.prefix import share_prefix
 from scheduling.request import Request, Status
 from scheduling.step import StepEvents, StepOutput, StepPlan
 
@@ -199,6 +200,8 @@ class AliseScheduler(CoupledScheduler):
                 break
             if req.request_id in step.evicted:
                 continue  # its KV just left to make room for a better-ranked job
+            if not self._jobs[req.request_id].host_ids:
+                share_prefix(self.blocks, req)  # a sibling's prompt blocks, if published here
             n = min(req.num_uncomputed_tokens, budget)
             if self._make_room(req, n, order[i + 1:], step):
                 step.plan[req.request_id] = n
@@ -213,7 +216,8 @@ class AliseScheduler(CoupledScheduler):
         need = max(held, blocks_needed(req.num_computed_tokens + n, self.blocks.block_size)) - len(req.block_ids)
         if need > self.blocks.num_free:
             holders = [r for r in reversed(worse) if r.block_ids]
-            if need > self.blocks.num_free + sum(len(r.block_ids) for r in holders):
+            # a block a holder shares with a sibling outside ``holders`` (or with ``req``) stays
+            if need > self.blocks.num_free + self.blocks.num_freed_by([r.block_ids for r in holders]):
                 return False
             for victim in holders:
                 if need <= self.blocks.num_free:

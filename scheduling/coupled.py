@@ -29,6 +29,7 @@ from typing import ClassVar, Optional
 from scheduling.base import Scheduler
 from scheduling.block_manager import BlockManager, blocks_needed
 from scheduling.clock import Clock
+from scheduling.prefix import publish_prefix, share_prefix
 from scheduling.request import Request, Status
 from scheduling.step import EMPTY_PLAN, StepEvents, StepOutput, StepPlan, seq_step
 
@@ -132,8 +133,10 @@ class CoupledScheduler(Scheduler):
         return self.blocks.num_free - need >= self.watermark_blocks
 
     def _admit(self, req: Request) -> None:
-        """Waiting -> running with blocks for its whole sequence (its chunks need none later)."""
+        """Waiting -> running with blocks for its whole sequence (its chunks need none later); a
+        sibling's published prompt blocks first, when it has them (scheduling/prefix.py)."""
         self.waiting.remove(req)
+        share_prefix(self.blocks, req)
         self.blocks.grow(req.block_ids, req.num_tokens)
         req.status = Status.RUNNING
         self.running.append(req)
@@ -172,6 +175,7 @@ class CoupledScheduler(Scheduler):
             if req is None:  # aborted while the step ran
                 continue
             req.num_computed_tokens += s.num_tokens
+            publish_prefix(self.blocks, req, s.start_pos)
             if s.request_id in output.sampled:
                 assert req.num_computed_tokens == req.num_tokens
                 req.output_token_ids.append(output.sampled[s.request_id])
@@ -227,8 +231,8 @@ class VllmScheduler(CoupledScheduler):
             if not self._can_admit(req) or (plan and batched + n > self.max_num_batched_tokens):
                 break
             self._admit(req)
-            plan[req.request_id] = n
-            batched += n
+            plan[req.request_id] = req.num_uncomputed_tokens  # n, less what a sibling's blocks hold
+            batched += plan[req.request_id]
         if plan:
             return self._to_plan(plan, preempted)
         self._sort_running()

@@ -26,6 +26,7 @@ from typing import Container, Hashable, Optional
 from scheduling.base import Scheduler
 from scheduling.block_manager import BlockManager, blocks_needed
 from scheduling.clock import Clock
+from scheduling.prefix import publish_prefix, share_prefix
 from scheduling.dispatch import DecodeLoad, is_heavy, predicted_max_output
 from scheduling.request import Request, Status
 from scheduling.step import EMPTY_PLAN, StepEvents, StepOutput, StepPlan, seq_step
@@ -226,6 +227,8 @@ class DecodeScheduler(Scheduler):
             request.block_ids = self.blocks.allocate(len(host_ids))
             swap_in.extend(zip(host_ids, request.block_ids))
             self.host.free(host_ids)
+        else:
+            share_prefix(self.blocks, request)  # a sibling's prompt blocks, if published here
         self.blocks.grow(request.block_ids, request.num_tokens)
         request.status = Status.RUNNING
         self._running.append(request)
@@ -243,6 +246,7 @@ class DecodeScheduler(Scheduler):
                 continue  # aborted while the step ran
             assert request.num_computed_tokens == s.start_pos
             request.num_computed_tokens = s.end_pos
+            publish_prefix(self.blocks, request, s.start_pos)
             if s.request_id not in output.sampled:
                 continue  # a prompt chunk short of its end (a hybrid step, scheduling/hybrid.py)
             assert request.num_computed_tokens == request.num_tokens, s.request_id

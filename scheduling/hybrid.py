@@ -160,12 +160,13 @@ class HybridScheduler(DecodeScheduler):
     def update(self, plan: StepPlan, output: StepOutput) -> StepEvents:
         """The decode scheduler's update; then prompts that just ended (prefill role) and requests
         marked for migration leave the batch for ``finished_prefills`` and are reported there."""
-        prompt_ends = {s.request_id for s in plan.seqs if s.num_tokens > 1 and s.request_id in output.sampled}
         events = super().update(plan, output)
         now, leaving = self.clock.now(), []
         for request in events.tokens:
             rid = request.request_id
-            fresh = rid in prompt_ends and request.num_output_tokens == 1
+            # its first token: the step ended its prompt, whatever the row's size (a sibling on
+            # shared prompt blocks, or a one-token prompt, ends it in a one-token row)
+            fresh = request.num_output_tokens == 1
             if fresh:
                 request.times["prefill_done"] = now
             if (fresh and self.hybrid.hand_over) or rid in self._migrating:

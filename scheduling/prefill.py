@@ -26,6 +26,7 @@ from typing import Collection, Mapping, Optional
 from scheduling.base import Scheduler
 from scheduling.block_manager import BlockManager, blocks_needed
 from scheduling.clock import Clock
+from scheduling.prefix import publish_prefix, share_prefix
 from scheduling.request import Request, Status
 from scheduling.step import EMPTY_PLAN, StepEvents, StepOutput, StepPlan, seq_step
 
@@ -124,6 +125,7 @@ class PrefillScheduler(Scheduler):
         while budget > 0 and (i < len(self._scheduled) or self._refill()):
             request = self._scheduled[i]
             i += 1
+            share_prefix(self.blocks, request)  # a sibling's prompt blocks, if published here
             want = min(budget, request.num_prompt_tokens - request.num_computed_tokens)
             n = self._fit_blocks(request, want)
             if n == 0:
@@ -173,6 +175,7 @@ class PrefillScheduler(Scheduler):
                 continue
             assert request.num_computed_tokens == s.start_pos, (s, request.num_computed_tokens)
             request.num_computed_tokens = s.end_pos
+            publish_prefix(self.blocks, request, s.start_pos)
             request.times.setdefault("chunks", []).append((now, s.num_tokens))  # (end time, its tokens)
             assert blocks_needed(s.end_pos, self.blocks.block_size) <= len(request.block_ids)
             if s.end_pos == request.num_prompt_tokens:

@@ -91,6 +91,9 @@ class Request:
     finish_reason: Optional[str] = None  # stop | length | abort | error
     error: Optional[str] = None
     predicted: Optional[LengthRange] = None
+    # requests of one group have the same prompt (the n choices of one API prompt): they share the
+    # KV blocks of its prompt instead of computing it each (scheduling/prefix.py); None: no sharing
+    prefix_group: Optional[str] = None
     # > 0: the length predictor reads the prompt's last-token hidden state after this many layers
     # from this request's own prefill (aserve/predict/online.py, "prefill features")
     feature_layer: int = 0

@@ -69,7 +69,8 @@ def served(kernels):
     cmd = [sys.executable, "cli.py", "serve", "--mode", "disagg", "--prefill", "1", "--decode", "1", "--port", "0",
            "--kv-cache-gb", "0.2", "--threads", "2", "--shutdown-timeout", str(SHUTDOWN_S), "--kernels", kernels,
            "--chunk-size", "64", "--max-num-batched-tokens", "512",  # settings given: nothing to profile first
-           "--predictor", "none"]  # and no predictor to load or fit: this test is about shutting down
+           "--predictor", "none",  # and no predictor to load or fit: this test is about shutting down
+           "--max-tokens", "4000"]  # the long streams' 4,000 tokens, past the default ceiling of 2,048
     # 0.2 GiB: a long stream asks for 4,004 tokens of KV. Where the model runs in fp32 (a CPU without
     # AVX512-BF16) 0.1 GiB holds 2,319 tokens, and the server rightly answered every long stream 400.
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,

@@ -59,7 +59,9 @@ def make_workload(seed: int, mix: str, n: int = 30, predict: bool = False, abort
 
 
 class FakeKV:
-    """The runner's pool as a dict: slot -> (request_id, position, token id)."""
+    """The runner's pool as a dict: slot -> (owner, position, token id). The owner is the request,
+    or its prefix group: siblings may read each other's prompt blocks (scheduling/prefix.py), but
+    nobody may write into a block another request also holds."""
 
     def __init__(self, block_size: int):
         self.bs, self.device, self.host = block_size, {}, {}
@@ -69,17 +71,19 @@ class FakeKV:
             for off in range(self.bs):
                 dst[b * self.bs + off] = src.get(a * self.bs + off)
 
-    def execute(self, out, requests: dict[str, Request]) -> None:
+    def execute(self, out, requests: dict[str, Request], blocks=None) -> None:
         self._copy(self.device, self.host, out.swap_out)
         self._copy(self.host, self.device, out.swap_in)
         for rid, n in out.num_scheduled_tokens.items():
             req = requests[rid]
             for pos in range(req.num_computed_tokens + n):
-                slot = req.block_ids[pos // self.bs] * self.bs + pos % self.bs
-                want = (rid, pos, req.token_id_at(pos))
+                block = req.block_ids[pos // self.bs]
+                slot = block * self.bs + pos % self.bs
+                want = (req.prefix_group or rid, pos, req.token_id_at(pos))
                 if pos < req.num_computed_tokens:
                     assert self.device.get(slot) == want, f"{rid}: cached token {pos} lost"
                 else:
+                    assert blocks is None or blocks.ref_count(block) == 1, f"{rid} writes into shared block {block}"
                     self.device[slot] = want
 
 
@@ -114,7 +118,7 @@ def drive(sched, work: Workload, clock: FakeClock, dt: float = 0.04, check=None,
             _track_waits(sched, out, clock.now(), waiting_since, run.waits)
             if check:
                 check(sched, out, before)
-            kv.execute(out, table)
+            kv.execute(out, table, sched.blocks)
             _abort(sched, work, step, mid=True)
             sampled = {rid: 1 for rid, n in out.num_scheduled_tokens.items()
                        if table[rid].num_computed_tokens + n == table[rid].num_tokens}

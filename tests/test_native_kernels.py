@@ -405,3 +405,22 @@ def test_the_loaded_build_is_this_cpus():
 
     assert Path(native.load().__file__).parent.name == native.build_name()
 
+
+
+def test_a_machine_without_a_compiler_falls_back_and_says_why(tmp_path):
+    """No C++ compiler (CXX names none, no cached build): auto resolves to torch's own ops, and the
+    line ``aserve serve`` prints names the missing compiler (README, a fresh machine)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from model import native; from aserve.config import EngineConfig; "
+            "from aserve.commands.serve import _kernels_line; "
+            "print(native.resolve_kernels('auto', 'cpu')); print(_kernels_line('fallback', EngineConfig()))")
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    resolved, line = out.stdout.splitlines()
+    assert resolved == "fallback"
+    assert line.startswith("fallback (torch's own ops") and "no C++ compiler" in line and "no-such-c++" in line

@@ -1,15 +1,20 @@
 """The README's curl examples work as written: they are read from README.md, pointed at a live
-server's port (the README says localhost:8000) and run by bash with the real curl."""
+server's port (the README says localhost:8000) and run by bash with the real curl, against a
+server started as the README starts it: ``make serve`` (``aserve serve``'s defaults, parsed by
+its own argument parser) with the ``ARGS`` the README gives for the admin routes."""
 import json
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from aserve.commands import build_parser
+from aserve.commands.serve import server_settings
 from aserve.config import ClusterConfig
-from tests.api_support import ServerThread
+from tests.api_support import ENGINE, ServerThread
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")]
@@ -31,14 +36,30 @@ def curl_commands() -> list[str]:
     return commands
 
 
+def readme_serve_args(monkeypatch):
+    """``aserve serve`` as the README's ``make serve ARGS='...'`` runs it, parsed by the CLI itself
+    (no key from this environment leaks in)."""
+    monkeypatch.delenv("ASERVE_API_KEY", raising=False)
+    monkeypatch.delenv("ASERVE_ADMIN_KEY", raising=False)
+    (args,) = re.findall(r"make serve ARGS='([^']*)'", README.read_text())
+    return build_parser().parse_args(["serve", *shlex.split(args)])
+
+
 def test_readme_has_the_examples():
     cmds = curl_commands()
     assert len(cmds) >= 5
     assert any("/v1/chat/completions" in c for c in cmds) and any('"stream": true' in c for c in cmds)
+    assert "`--mode coupled --instances 2 --batching sarathi`" in README.read_text()  # what it says make serve runs
 
 
-def test_readme_curl_examples_run_as_written():
-    with ServerThread(ClusterConfig(mode="disagg")) as server:
+def test_readme_curl_examples_run_as_written(monkeypatch):
+    a = readme_serve_args(monkeypatch)
+    assert (a.mode, a.instances, a.batching) == ("coupled", 2, "sarathi"), "the README's default changed"
+    settings = server_settings(a)
+    assert settings.admin_key is not None
+    cfg = ClusterConfig(mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, num_coupled=a.instances)
+    assert ENGINE.batching == a.batching, "the test engine batches as make serve does"
+    with ServerThread(cfg, settings) as server:
         outputs = {}
         for cmd in curl_commands():
             live = cmd.replace("localhost:8000", f"127.0.0.1:{server.port}")
@@ -58,4 +79,13 @@ def test_readme_curl_examples_run_as_written():
         count = float(outputs["metrics"].split()[-1])
         assert count >= 2  # the chat and the completion above
         instances = json.loads(outputs["admin/instances"])["data"]
-        assert {i["role"] for i in instances} == {"prefill", "decode"}
+        assert [i["role"] for i in instances] == ["coupled", "coupled"]
+        # without the README's admin key, the same route is refused
+        bare = subprocess.run(["curl", "-s", f"127.0.0.1:{server.port}/admin/instances"], capture_output=True,
+                              text=True, timeout=60)
+        assert json.loads(bare.stdout)["error"]["type"] == "authentication_error"
+
+
+def test_make_serve_without_args_leaves_admin_off(monkeypatch):
+    monkeypatch.delenv("ASERVE_ADMIN_KEY", raising=False)
+    assert server_settings(build_parser().parse_args(["serve"])).admin_state == "off"

@@ -7,7 +7,7 @@
     GET  /metrics              Prometheus text (vllm: and aserve: names)
     GET  /v1/stats             JSON snapshot of every instance and link, for the live monitor
     GET|POST /admin/instances, DELETE /admin/instances/{id}, POST /admin/instances/{id}/flip
-                               the instance lifecycle (aserve/api/admin.py)
+                               the instance lifecycle (aserve/api/admin.py), behind the admin key
 
 Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``) and bad input
 is always a 4xx. ``build_app`` makes the application over a started cluster; ``aserve/api/server.py``
@@ -22,7 +22,7 @@ import time
 
 from aiohttp import web
 
-from aserve.api.admin import add_admin_routes
+from aserve.api.admin import add_admin_routes, check_admin, is_admin_path
 from aserve.api.context import CTX, ServeContext, ServerSettings
 from aserve.api.generate import generate
 from aserve.api.metrics import ServerMetrics
@@ -63,8 +63,13 @@ async def _errors(request: web.Request, handler):
 
 @web.middleware
 async def _auth(request: web.Request, handler):
-    key = request.app[CTX].settings.api_key
-    if key is not None and request.path != "/health":
+    """The admin routes take their own key (aserve/api/admin.py); every other route but /health
+    takes the API key, when one is set."""
+    settings = request.app[CTX].settings
+    key = settings.api_key
+    if is_admin_path(request.path):
+        check_admin(settings, request)
+    elif key is not None and request.path != "/health":
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",

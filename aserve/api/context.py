@@ -19,9 +19,21 @@ MIB = 2**20
 class ServerSettings:
     """Knobs of the HTTP layer (the engine's are in EngineConfig / ClusterConfig)."""
 
-    api_key: Optional[str] = None  # when set, every route but /health needs "Authorization: Bearer <key>"
+    api_key: Optional[str] = None  # when set, every route but /health and /admin/* needs "Authorization: Bearer <key>"
+    # /admin/* (add, remove, flip instances) need "Authorization: Bearer <admin_key>", never the api
+    # key; without an admin key they are off (403) unless admin_open (a trusted loopback set-up)
+    admin_key: Optional[str] = None
+    admin_open: bool = False
+    max_instances: int = 8  # POST /admin/instances refuses to go past this many live instances
     max_body_bytes: int = MIB
-    max_queued_requests: int = 0  # 429 once this many requests wait for their first token; 0 = no limit
+    # Cost of one request, bounded (docs/API.md, "Limits"). max_tokens: the most tokens a choice
+    # may generate, and chat's default; None: as many as fit the context (vLLM's default)
+    max_tokens: Optional[int] = 2048
+    max_request_tokens: int = 32768  # n x (prompt + max_tokens), summed over a request's prompts
+    max_logprob_entries: int = 2**18  # logprobs in one response: choices x (echoed prompt + max_tokens) x (k + 1)
+    # choices (each of n x prompts is a request of the engine) waiting for their first token: a
+    # request that would take the count past it gets 429; 0 = no limit
+    max_queued_requests: int = 1024
     shutdown_timeout_s: float = 30.0  # in-flight requests get this long to finish on SIGINT/SIGTERM
 
     def __post_init__(self):
@@ -29,10 +41,28 @@ class ServerSettings:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 (or None: what fits the context), got {self.max_tokens}")
+        if self.max_request_tokens < 2 or self.max_logprob_entries < 1:
+            raise ValueError(f"max_request_tokens must be >= 2 and max_logprob_entries >= 1, got "
+                             f"{self.max_request_tokens} and {self.max_logprob_entries}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.admin_key is not None and not self.admin_key:
+            raise ValueError("admin_key must not be empty")
+        if self.admin_key is not None and self.admin_key == self.api_key:
+            raise ValueError("admin_key must differ from api_key: the inference key must not open the admin routes")
+        if self.admin_key is not None and self.admin_open:
+            raise ValueError("admin_open is for a server without an admin key; give one or the other")
+        if self.max_instances < 1:
+            raise ValueError(f"max_instances must be >= 1, got {self.max_instances}")
+
+    @property
+    def admin_state(self) -> str:
+        """How the admin routes answer: ``key`` (the admin key only), ``open`` or ``off`` (403)."""
+        return "key" if self.admin_key is not None else "open" if self.admin_open else "off"
 
 
 @dataclass

@@ -1,7 +1,10 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``: check, tokenise, submit, answer.
 
-    body --validate--> GenerationRequest --tokenise (own thread)--> ids per prompt --fits?-->
+    body --validate--> GenerationRequest --tokenise (own thread)--> ids per prompt --limits.py-->
          cluster.submit x num_choices (n per prompt) --> answers.py: one JSON object, or SSE chunks
+
+A prompt's n choices are one ``prefix_group``: the cluster computes the prompt once and the
+others start on its KV blocks (aserve/cluster/groups.py), unless they echo the prompt's logprobs.
 
 Whatever way a handler ends (finished, client gone, handler cancelled by aiohttp, write error,
 shutdown), its ``finally`` aborts every one of its requests still in the cluster, so their blocks
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Optional
 
 from aiohttp import web
 
@@ -18,9 +22,9 @@ from aserve.api.answers import complete, stream
 from aserve.api.choices import Choice, TokenText
 from aserve.api.context import ServeContext
 from aserve.api.errors import ApiError
+from aserve.api.limits import check_queue, fit_max_tokens
 from aserve.api.validate import GenerationRequest, parse_json, read_body, validate
 from aserve.cluster.requests import RequestHandle
-from aserve.cluster.snapshot import num_waiting_requests
 from aserve.engine.bundle import PromptTooLong
 from scheduling.request import SamplingParams
 
@@ -37,7 +41,7 @@ async def generate(ctx: ServeContext, request: web.Request, kind: str) -> web.St
     if req.model not in ctx.model_names:
         raise ApiError(404, f"The model {req.model[:64]!r} does not exist", "model", code="model_not_found")
     prompt_ids = await _tokenise(ctx, req)
-    max_tokens = [_fit(ctx, req, len(ids)) for ids in prompt_ids]
+    max_tokens = fit_max_tokens(ctx, req, [len(ids) for ids in prompt_ids])
     response_id, choices = _submit(ctx, req, prompt_ids, max_tokens)
     ctx.num_active += 1
     try:
@@ -67,45 +71,13 @@ async def _tokenise(ctx: ServeContext, req: GenerationRequest) -> list[list[int]
     return ids
 
 
-def _fit(ctx: ServeContext, req: GenerationRequest, num_prompt: int) -> int:
-    """max_tokens to use: the request's, or a default; 400 when prompt + output cannot fit.
-
-    Two limits: the model's context window, and the smallest instance KV pool (a request that
-    outgrows every pool would be preempted forever). Default: 16 for completions (OpenAI's
-    legacy default), everything that fits for chat. ``max_tokens: 0`` (echo) still samples one
-    token, which is not returned.
-    """
-    context = ctx.cluster.bundle.args.max_position
-    room = min(context, ctx.pool_tokens) - num_prompt
-    if req.max_tokens is None:
-        if room < 1:
-            raise _too_long(req, num_prompt, 1, min(context, ctx.pool_tokens))
-        return min(room, 16) if req.kind == "completion" else room
-    want = max(req.max_tokens, 1)
-    if num_prompt + want > context:
-        raise _too_long(req, num_prompt, want, context)
-    if num_prompt + want > ctx.pool_tokens:
-        raise _too_long(req, num_prompt, want, ctx.pool_tokens, what="the KV cache of an instance")
-    return want
-
-
-def _too_long(req: GenerationRequest, num_prompt: int, max_tokens: int, limit: int,
-              what: str = "this model's maximum context length") -> ApiError:
-    return ApiError(400, f"{what} is {limit} tokens; you requested {num_prompt + max_tokens} tokens "
-                         f"({num_prompt} in the {req.prompt_param}, {max_tokens} in the completion)",
-                    req.prompt_param, code="context_length_exceeded")
-
-
 def _submit(ctx: ServeContext, req: GenerationRequest, prompt_ids: list[list[int]],
             max_tokens: list[int]) -> tuple[str, list[Choice]]:
     """Back-pressure check and every choice's submit, with no await in between (the count stays
     true); a refusal part-way aborts the choices already in. Returns the response's id and its
     choices (request ids: the response's, or ``id-i`` for choice i of several)."""
     _refuse_if_draining(ctx)  # again: shutdown may have begun while the prompts were tokenised
-    limit = ctx.settings.max_queued_requests
-    if limit and num_waiting_requests(ctx.cluster) >= limit:
-        raise ApiError(429, f"too many requests waiting (limit {limit}); retry later", type_="rate_limit_error",
-                       code="too_many_requests", headers={"Retry-After": "1"})
+    check_queue(ctx, req)
     base = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     token_text = TokenText(ctx.cluster.bundle.tokenizer)
     choices: list[Choice] = []
@@ -114,10 +86,12 @@ def _submit(ctx: ServeContext, req: GenerationRequest, prompt_ids: list[list[int
             text = req.prompts[p] if req.kind == "completion" else ""
             if req.echo and not isinstance(text, str):
                 text = ctx.cluster.bundle.tokenizer.decode(ids)
+            # echo with logprobs scores every prompt row of every choice: nothing to share
+            group = f"{base}/{p}" if req.n > 1 and not (req.echo and req.logprobs is not None) else None
             for j in range(req.n):
                 rid = base if req.num_choices == 1 else f"{base}-{len(choices)}"
                 handle = _submit_one(ctx, req, rid, ids, req.sampling(max_tokens[p], j),
-                                     text if isinstance(text, str) else "")
+                                     text if isinstance(text, str) else "", group)
                 choices.append(Choice(len(choices), req, handle, token_text, text))
     except BaseException:
         for c in choices:
@@ -127,9 +101,9 @@ def _submit(ctx: ServeContext, req: GenerationRequest, prompt_ids: list[list[int
 
 
 def _submit_one(ctx: ServeContext, req: GenerationRequest, rid: str, ids: list[int], sampling: SamplingParams,
-                prompt_text: str) -> RequestHandle:
+                prompt_text: str, group: Optional[str]) -> RequestHandle:
     try:
-        return ctx.cluster.submit(ids, sampling, request_id=rid, prompt_text=prompt_text)
+        return ctx.cluster.submit(ids, sampling, request_id=rid, prompt_text=prompt_text, prefix_group=group)
     except (PromptTooLong, ValueError) as e:
         ctx.cluster.abort(rid)  # submit may have entered it in the table before refusing it
         raise ApiError(400, str(e)[:300], req.prompt_param, code="context_length_exceeded") from None

@@ -80,15 +80,18 @@ class ApiServer:
 async def run_server(cluster, served_name: str, settings: ServerSettings = ServerSettings(),
                      host: str = "127.0.0.1", port: int = 8000, aliases: tuple[str, ...] = (),
                      stop: Optional[asyncio.Event] = None, handle_signals: bool = True, tui: bool = False,
-                     on_stop: Optional[Callable[[], None]] = None) -> None:
+                     on_stop: Optional[Callable[[], None]] = None, notes: tuple[str, ...] = ()) -> None:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set), then drain and return; a second signal
     cuts the drain short. ``on_stop`` is called once, when the drain begins (``aserve serve``
-    arms its exit deadline there). ``tui`` draws the live monitor (aserve/monitor/dashboard.py)
-    from the in-process snapshot until the drain starts."""
+    arms its exit deadline there). ``notes`` are printed once it listens (who may use it). ``tui``
+    draws the live monitor (aserve/monitor/dashboard.py) from the in-process snapshot until the
+    drain starts."""
     server = ApiServer(cluster, served_name, settings, aliases)
     bound = await server.start(host, port)
     print(f"aserve: serving {served_name} ({cluster.cfg.mode}, {len(cluster.instances)} instances) "
           f"on http://{host}:{bound}", file=sys.stderr, flush=True)
+    for note in notes:
+        print(f"aserve: {note}", file=sys.stderr, flush=True)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
 

@@ -32,6 +32,7 @@ import itertools
 from dataclasses import replace
 from typing import AsyncIterator, Optional
 
+from aserve.cluster.groups import PrefixGroups
 from aserve.cluster.handoff import Handoff
 from aserve.cluster.lifecycle import Lifecycle
 from aserve.cluster.requests import EventLog, RequestHandle, TokenEvent
@@ -67,6 +68,7 @@ class Cluster:
         self.handoff = Handoff(cfg, self.clock, self.log, self.instances, self.finish, self.lifecycle.rerun,
                                self.lifecycle.recompute, spawn=self.spawn)
         self.predictor = OnlinePredictor(cfg)
+        self.groups = PrefixGroups()  # the n choices of a prompt held until the first has computed it
         self.placement = Placement(PlacementConfig(
             engine.max_num_batched_tokens, cfg.placement_step_s, cfg.placement_prefill_token_s,
             cfg.placement_decode_row_s, cfg.interference, keep_margin=cfg.keep_margin))
@@ -223,17 +225,21 @@ class Cluster:
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams = SamplingParams(),
                request_id: Optional[str] = None, prompt_text: str = "",
-               oracle_length: Optional[int] = None, stream_tokens: bool = True) -> RequestHandle:
+               oracle_length: Optional[int] = None, stream_tokens: bool = True,
+               prefix_group: Optional[str] = None) -> RequestHandle:
         """Enter a request: it goes to the least-loaded prefill (or coupled) instance.
         ``oracle_length`` (replay knows it) is the true output length the ``oracle`` predictor reads;
         ``stream_tokens=False``: ``stream`` yields only the final event (``token_times`` has every
-        token's time either way)."""
+        token's time either way). ``prefix_group``: requests of one group have the same prompt
+        (the n choices of one API prompt); all but the first wait until the first has computed it,
+        then share its blocks (aserve/cluster/groups.py)."""
         assert self.started, "start the cluster first"
         self.bundle.check_fits(len(prompt_token_ids), sampling.max_tokens)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid!r}")
-        req = Request(rid, list(prompt_token_ids), sampling, arrival_time=self.clock.now(), prompt_text=prompt_text)
+        req = Request(rid, list(prompt_token_ids), sampling, arrival_time=self.clock.now(), prompt_text=prompt_text,
+                      prefix_group=prefix_group)
         self._last_arrival = req.arrival_time
         if oracle_length is not None:
             req.oracle_length = oracle_length  # predictors.simple.ORACLE_ATTR
@@ -242,16 +248,43 @@ class Cluster:
         handle = RequestHandle(req, stream_tokens=stream_tokens)
         self.requests[rid] = handle
         self.predictor.start(req)
+        if not self.groups.hold(handle):  # held: placed when its first sibling has computed the prompt
+            self._enter(handle)
+        return handle
+
+    def _enter(self, handle: RequestHandle, beside: Optional[Instance] = None) -> None:
+        """Place a new request, once its predicted range is on it where a policy reads it at once;
+        ``beside``: the instance holding its first sibling's prompt blocks, if it can take it."""
+        req = handle.request
         if not self.predictor.try_attach(req):  # not ready at once (none and oracle are): on its thread
             gate = self._prediction_gate()
             if gate == "place":
-                self.spawn(self._place_when_predicted(handle))
-                return handle
+                self.spawn(self._place_when_predicted(handle, beside))
+                return
             if gate == "background":
                 self.spawn(self.predictor.attach(req))
-        if not self.place(handle):
+        if not self._place_beside(handle, beside):
             self.finish(handle, "error", error="no instance can take new requests")
-        return handle
+
+    def _place_beside(self, handle: RequestHandle, beside: Optional[Instance]) -> bool:
+        """``place``, but on ``beside`` while it is an active instance that takes prompts."""
+        takes_prompts = beside is not None and beside.state == "active" and (
+            beside.role in ("prefill", "coupled") or isinstance(beside.scheduler, HybridScheduler))
+        if not takes_prompts:
+            return self.place(handle)
+        if self.cfg.mode == "adaptive":
+            self._assign(handle, beside)
+            return True
+        handle.instance_id, handle.phase = beside.id, "prefill"
+        if beside.role == "prefill":
+            handle.prefill_instance = beside.id
+        beside.submit(handle.request)
+        return True
+
+    def _release_siblings(self, first: RequestHandle, beside: Optional[Instance] = None) -> None:
+        """``first`` has computed its prompt (on ``beside``) or ended: place its held siblings."""
+        for handle in self.groups.release(first):
+            self._enter(handle, beside)
 
     def _prediction_gate(self) -> str:
         """Where a request's predicted range must be on it: ``place`` before it enters a queue
@@ -263,11 +296,11 @@ class Cluster:
         # adaptive: a prompt prefilled where it decodes has no hand-over to wait at
         return "handoff" if self.cfg.mode == "disagg" else "background"
 
-    async def _place_when_predicted(self, handle: RequestHandle) -> None:
+    async def _place_when_predicted(self, handle: RequestHandle, beside: Optional[Instance] = None) -> None:
         await self.predictor.attach(handle.request)
         if handle.phase != "queued":  # aborted while its length was being predicted
             return
-        if not self.place(handle):
+        if not self._place_beside(handle, beside):
             self.finish(handle, "error", error="no instance can take new requests")
 
     def place(self, handle: RequestHandle) -> bool:
@@ -451,6 +484,10 @@ class Cluster:
                 handle.add_prompt_logprobs(got)
         logprobs = report.logprobs or {}
         for req, reason in report.tokens:
+            if req.prefix_group is not None and req.num_output_tokens == 1:  # its prompt is in the KV here
+                handle = self.requests.get(req.request_id)
+                if handle is not None:
+                    self._release_siblings(handle, instance)
             self._deliver(req, reason, logprobs.get(req.request_id))
         for req in report.prefilled:
             handle = self.requests.get(req.request_id)
@@ -519,6 +556,8 @@ class Cluster:
         handle.queue.put_nowait(TokenEvent(None, True, reason, error))
         self.requests.pop(req.request_id, None)
         self.lifecycle.recovered(req.request_id)
+        if req.prefix_group is not None:  # ended before computing its prompt: its siblings go on alone
+            self._release_siblings(handle)
 
     # ---- views -------------------------------------------------------------------------------
     def all_counts(self) -> dict:

@@ -118,6 +118,7 @@ class Lifecycle:
         self._watcher: Optional[asyncio.Task] = None
         self._next_instance = 0
         self._changing: set[str] = set()  # instances being drained / flipped / removed
+        self._adding = 0  # adds whose device is still being built (they count against max_instances)
 
     def _flip_options(self) -> dict:
         if self.cfg.flip == "ratio":
@@ -261,16 +262,27 @@ class Lifecycle:
                                  f"flip {flip_s * 1e3:.1f} ms): {reason}")
         return record
 
-    async def add(self, role: str) -> Instance:
+    async def add(self, role: str, max_instances: Optional[int] = None, limit_flag: str = "max_instances") -> Instance:
         """A new instance with its own KV pool, sharing the loaded weights; routed to at once. The
         device is built off the event loop (``ControlPlane.build_device``): zeroing a pool of a
-        gigabyte took up to 1.5 s here, a stall of every stream when it ran on the loop."""
+        gigabyte took up to 1.5 s here, a stall of every stream when it ran on the loop.
+        ``max_instances``: refuse (409, naming ``limit_flag``) when the live instances and the adds
+        still building their devices would pass it."""
         if role not in ROLES or (role == "coupled") != (self.cfg.mode == "coupled"):
             allowed = "coupled" if self.cfg.mode == "coupled" else "prefill or decode"
             raise InstanceError(f"bad role {role!r} for {self.cfg.mode} mode: {allowed}", 400)
         live = sum(i.state != "failed" for i in self.plane.instances.values())
+        if max_instances is not None and live + self._adding >= max_instances:
+            adding = f" and {self._adding} being added" if self._adding else ""
+            raise InstanceError(f"the cluster has {live} live instances{adding}; at most {max_instances} "
+                                f"({limit_flag}): remove one first, or raise {limit_flag}")
         threads, iid = self.plane.threads_per_instance(live + 1), self._new_id(role)
-        inst = self.plane.new_instance(iid, role, threads, await self.plane.build_device(iid, threads))
+        self._adding += 1
+        try:
+            device = await self.plane.build_device(iid, threads)
+        finally:
+            self._adding -= 1
+        inst = self.plane.new_instance(iid, role, threads, device)
         self.plane.broadcast()
         self.log.log("instance_added", inst.id, f"added a {role} instance")
         return inst

@@ -2,6 +2,7 @@
 
     aserve serve [--mode coupled --instances N --batching B | --mode disagg --prefill P --decode D
                   | --mode adaptive --prefill P --decode D] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+                 [--admin-key KEY | --admin-open] [--max-instances 8]
 
 ``serve`` defaults to ``SERVE_MODE`` (two coupled Sarathi instances, one a core here): in the peer
 table (docs/BENCHMARKS.md, issue 28), under guidellm at 1, 8 and 32 streams, it had the highest
@@ -12,6 +13,7 @@ output tokens/s of aserve's configurations at 32 streams and tied them at 1 and 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import sys
 import threading
@@ -41,10 +43,26 @@ def register(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $ASERVE_API_KEY; /health stays open)")
+    s.add_argument("--admin-key", default=None,
+                   help="turn on the admin routes (/admin/*: add, remove, flip instances), which then need "
+                        "'Authorization: Bearer KEY' and no other key (default: $ASERVE_ADMIN_KEY; none: they are off)")
+    s.add_argument("--admin-open", action="store_true",
+                   help="admin routes without a key, for a trusted loopback set-up (refused with a non-loopback --host)")
+    s.add_argument("--max-instances", type=int, default=8,
+                   help="POST /admin/instances refuses past this many live instances, each with its own KV pool (default 8)")
     s.add_argument("--served-model-name", default=None, help="model name clients use (default: the folder name)")
     s.add_argument("--max-body-bytes", type=int, default=2**20, help="larger request bodies get 413 (default 1 MiB)")
-    s.add_argument("--max-queued-requests", type=int, default=0,
-                   help="429 once this many requests wait for their first token (0: no limit)")
+    s.add_argument("--max-tokens", type=max_tokens_arg, default=2048, metavar="N|context",
+                   help="tokens a choice may generate at most, and chat's default when a request gives none "
+                        "(default 2048; context: as many as fit the context window, vLLM's default)")
+    s.add_argument("--max-request-tokens", type=int, default=32768,
+                   help="n x (prompt + max_tokens) over a request's prompts, at most (default 32768)")
+    s.add_argument("--max-logprob-entries", type=int, default=2**18,
+                   help="logprobs one response may carry: choices x (echoed prompt + max_tokens) x (k + 1) "
+                        "(default 262144)")
+    s.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="choices (n x prompts of each request) that may wait for their first token; a request "
+                        "past it gets 429 (default 1024; 0: no limit)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (then: abort)")
     s.add_argument("--tui", action="store_true", help="draw the live monitor in this terminal (docs/MONITOR.md)")
@@ -59,8 +77,57 @@ def server_settings(a: argparse.Namespace):
 
     # the environment is read here, in the CLI layer, and nowhere deeper
     key = a.api_key if a.api_key is not None else os.environ.get("ASERVE_API_KEY") or None
-    return ServerSettings(api_key=key, max_body_bytes=a.max_body_bytes, max_queued_requests=a.max_queued_requests,
-                          shutdown_timeout_s=a.shutdown_timeout)
+    admin_key = a.admin_key if a.admin_key is not None else os.environ.get("ASERVE_ADMIN_KEY") or None
+    if a.admin_open and not is_loopback(a.host):
+        raise ValueError(f"--admin-open opens the admin routes to anyone who reaches the port; --host {a.host} is "
+                         "not loopback: use --admin-key KEY instead")
+    if a.admin_open and admin_key is not None:
+        raise ValueError("--admin-open and an admin key (--admin-key or $ASERVE_ADMIN_KEY) exclude each other")
+    if admin_key is not None and admin_key == key:
+        raise ValueError("--admin-key must differ from the API key: the inference key must not open the admin routes")
+    return ServerSettings(api_key=key, admin_key=admin_key, admin_open=a.admin_open, max_instances=a.max_instances,
+                          max_body_bytes=a.max_body_bytes, max_tokens=a.max_tokens,
+                          max_request_tokens=a.max_request_tokens, max_logprob_entries=a.max_logprob_entries,
+                          max_queued_requests=a.max_queued_requests, shutdown_timeout_s=a.shutdown_timeout)
+
+
+def max_tokens_arg(value: str) -> Optional[int]:
+    """``--max-tokens``: a count >= 1, or ``context`` (None: what fits the context window)."""
+    if value == "context":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or 'context', got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (or 'context'), got {n}")
+    return n
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def startup_notes(settings, host: str) -> list[str]:
+    """What ``aserve serve`` says at start about who may use it: the admin routes' state, and a
+    warning when it listens beyond this machine with no API key."""
+    notes = {"off": "admin routes (/admin/*) are off: start with --admin-key KEY (or $ASERVE_ADMIN_KEY) to add, "
+                    "remove or flip instances over HTTP",
+             "key": f"admin routes (/admin/*) need the admin key; at most {settings.max_instances} instances "
+                    "(--max-instances)",
+             "open": f"admin routes (/admin/*) are open without a key (--admin-open); at most {settings.max_instances} "
+                     "instances (--max-instances)"}
+    out = [notes[settings.admin_state]]
+    if not is_loopback(host) and settings.api_key is None:
+        out.append(f"WARNING: listening on {host} with no API key: anyone who reaches this port can run generations "
+                   "on it; set --api-key KEY (or $ASERVE_API_KEY)")
+    return out
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -68,6 +135,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     engine, cluster_cfg, settings = engine_config(a), cluster_config(a), server_settings(a)
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
+    num = cluster_cfg.num_prefill + cluster_cfg.num_decode if cluster_cfg.split else cluster_cfg.num_coupled
+    if num > settings.max_instances:
+        raise ValueError(f"{num} instances asked for at start, more than --max-instances {settings.max_instances}")
     print(f"aserve: length predictor {a.predictor} ({why})", file=sys.stderr, flush=True)
     run_loop(_serve(engine, cluster_cfg, settings, a.host, a.port, a.served_model_name, a.model, a.tui))
     return 0
@@ -80,16 +150,32 @@ async def _serve(engine, cluster_cfg, settings, host: str, port: int,
 
     print(f"aserve: loading {model_arg} ...", file=sys.stderr, flush=True)
     cluster = Cluster(engine, cluster_cfg)
-    await cluster.start()
+    # every instance steps once before the server listens: the first request is as fast as the tenth
+    num = cluster_cfg.num_prefill + cluster_cfg.num_decode if cluster_cfg.split else cluster_cfg.num_coupled
+    print(f"aserve: starting {num} instances, each warmed up by one prompt chunk and one decode step ...",
+          file=sys.stderr, flush=True)
+    await cluster.start(warm_up=True)
+    print(f"aserve: kernels {_kernels_line(cluster.bundle.kernels, engine)}", file=sys.stderr, flush=True)
     if engine.device.startswith("cuda"):  # each instance's share of the card, and its graphs
         for line in cluster.device_lines():
             print(f"aserve: {line}", file=sys.stderr, flush=True)
     try:
         name = served_name or cluster.bundle.path.name
         await run_server(cluster, name, settings, host, port, aliases=(model_arg,), tui=tui,
-                         on_stop=lambda: _exit_deadline(settings.shutdown_timeout_s + EXIT_DEADLINE_S))
+                         on_stop=lambda: _exit_deadline(settings.shutdown_timeout_s + EXIT_DEADLINE_S),
+                         notes=tuple(startup_notes(settings, host)))
     finally:
         await cluster.stop(wait_s=STOP_WAIT_S)
+
+
+def _kernels_line(kernels: str, engine) -> str:
+    """Which kernels the model runs on, and why torch's own ops when ours were wanted but do not
+    build here (a machine without a C++ compiler with OpenMP, or without Python's headers)."""
+    if kernels != "fallback" or engine.kernels != "auto" or engine.device != "cpu":
+        return kernels
+    from model import native
+
+    return f"fallback (torch's own ops, slower: {native.why_unavailable()}; see the README on a fresh machine)"
 
 
 def _exit_deadline(seconds: float) -> None:
