@@ -21,7 +21,7 @@ CI_LONG ?= tests/test_bench_engine.py tests/test_cluster.py::test_cli_generate_d
 	tests/test_ray_cluster.py::test_killed_actor_mid_run_loses_no_request
 
 
-.PHONY: serve test test-unit test-long test-ci-long test-all install predictors bench results clean
+.PHONY: serve test test-unit kernels test-long test-ci-long test-all install predictors bench results clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,7 +41,12 @@ predictors: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/aserve serve $(ARGS)
 
-test: $(STAMP)
+# aserve's C++ kernels, built once per CPU and checkout before the tests that load the model (2-3 minutes on
+# two cores the first time, then cached): a server test waits two minutes for its server, not for a compiler
+kernels: $(STAMP)
+	@$(PY) -c "from model import native; why = native.why_unavailable(); print('aserve kernels:', why or 'built', '(' + str(native.build_directory()) + ')')"
+
+test: $(STAMP) kernels
 	$(VENV)/bin/python -m pytest -q -ra --durations=15 -m "$(MARKS)" $(ARGS)
 
 # the fast tier: scheduling, netemu, predictors' logic and the control plane on simulated devices and

@@ -1,5 +1,5 @@
 """Our C++ CPU kernels, compiled on first use with torch's extension builder (about a minute,
-cached under ~/.cache/torch_extensions), and skipped with a clear reason where no compiler is.
+cached under ~/.cache/torch_extensions/aserve), and skipped with a clear reason where no compiler is.
 
 - ``paged_decode``: decode attention that reads K/V blocks in place (``model/csrc/paged_attention.cpp``,
   with a bf16 fast path in ``paged_decode_bf16.cpp``);
@@ -77,18 +77,40 @@ def _native_target() -> str:
 
 @functools.lru_cache(maxsize=1)
 def build_name() -> str:
-    """The build's name in torch's extension cache, keyed by the instruction set it targets."""
-    return f"{_VERSION}_{isa_key(_native_target())}"
+    """The build's name in torch's extension cache, keyed by the instruction set it targets and by
+    the folder its sources are in (two checkouts on one machine each keep their own build, instead
+    of rebuilding over each other's)."""
+    where = hashlib.sha256(str(_CSRC.resolve()).encode()).hexdigest()[:6]
+    return f"{_VERSION}_{isa_key(_native_target())}_{where}"
+
+
+def build_directory() -> Path:
+    """Where the build lives: ``$TORCH_EXTENSIONS_DIR`` (else ~/.cache/torch_extensions)/aserve/NAME."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(Path.home(), ".cache", "torch_extensions")
+    return Path(root) / "aserve" / build_name()
 
 
 @functools.lru_cache(maxsize=1)
 def load():
-    """The compiled module, or raise RuntimeError saying why it cannot be built."""
+    """The compiled module, or raise RuntimeError saying why it cannot be built.
+
+    Builders of one build take turns on an OS lock (``flock``: let go by the kernel when its holder
+    dies). torch's own lock is a file that only its creator removes, so a build killed half-way (a
+    test's server stopped while it compiled, a Ctrl-C) left every later start waiting on it forever;
+    whoever holds our lock knows no one else is building, and removes such a leftover first."""
+    import fcntl
+
     from torch.utils.cpp_extension import load as build
 
+    where = build_directory()
     try:
-        return build(name=build_name(), sources=_SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                     extra_include_paths=[str(_CSRC)], extra_ldflags=["-fopenmp"], verbose=False)
+        where.mkdir(parents=True, exist_ok=True)
+        with open(where.parent / f"{where.name}.lock", "w") as turn:
+            fcntl.flock(turn, fcntl.LOCK_EX)
+            (where / "lock").unlink(missing_ok=True)
+            return build(name=build_name(), sources=_SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                         extra_include_paths=[str(_CSRC)], extra_ldflags=["-fopenmp"],
+                         build_directory=str(where), verbose=False)
     except Exception as e:  # compiler missing, headers missing, ...
         raise RuntimeError(f"cannot build aserve's C++ kernels: {e}") from e
 
