@@ -74,6 +74,19 @@ def compare_items(text: str, base: argparse.Namespace) -> list:
     return items
 
 
+def predictor_lines(items: list) -> list[str]:
+    """One line per distinct choice among ``(name, flags)`` systems: which predictor and why."""
+    from aserve.commands.common import parse_options
+    from aserve.commands.serve_predictor import default_predictor
+
+    lines: dict[str, list[str]] = {}
+    for name, ns in items:
+        backend, options, why = default_predictor(ns, parse_options(ns.predictor_option, "predictor-option"))
+        label = f"{backend} {float(options['accuracy']):.1%}" if backend == "accuracy" else backend
+        lines.setdefault(f"predictor {label} ({why})", []).append(name or "the system")
+    return [f"{', '.join(names)}: {line}" for line, names in lines.items()]
+
+
 def add_fit_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("trace fitting")
     g.add_argument("--num-requests", type=int, default=None, help="replay only the first N requests")
@@ -214,6 +227,9 @@ def cmd_replay(a: argparse.Namespace) -> int:
     trace = load_trace(a.trace, fit_options(a, context), count)
     prompts = builder.build(trace.requests)
     specs = [] if a.url else build_specs(items, trace.longest_context)
+    if not a.url:
+        for line in predictor_lines(items):
+            print(line)
     with ReplayProgress(a.progress) as progress:
         runs = _event_loop(specs)(_run(a, specs, trace, prompts, bundle, progress))
     summary = {**trace.summary(), "prompts": builder.describe(trace.requests), "target": a.url or "in-process"}
