@@ -33,13 +33,14 @@ def slo_from_args(a: argparse.Namespace, ns: Optional[argparse.Namespace] = None
     """The ``Slo`` of ``a``'s flags (None without any); a corner reads the unloaded costs of the
     device ``ns`` describes (a system's flags; default ``a``'s own): its simulated profile, or this
     machine's measured engine at the instances' threads (measured once, then cached)."""
-    from aserve.replay.slo import UnloadedCosts, build_slo
+    from aserve.replay.slo import build_slo
 
-    ns = ns or a
+    return build_slo(a.slo, a.goodput, lambda: device_costs(ns or a))
 
-    def costs():
-        from aserve.engine.devices import device_cost
 
-        return UnloadedCosts(device_cost(bundle_engine(ns), instance_threads(ns)), device_label(ns))
+def device_costs(ns: argparse.Namespace):
+    """The unloaded costs of the device ``ns`` (a system's flags) describes."""
+    from aserve.engine.devices import device_cost
+    from aserve.replay.slo import UnloadedCosts
 
-    return build_slo(a.slo, a.goodput, costs)
+    return UnloadedCosts(device_cost(bundle_engine(ns), instance_threads(ns)), device_label(ns))

@@ -45,7 +45,7 @@ def plot_cdfs(runs: Sequence[SystemRun], path: Path) -> Path:
                title=f"{label} CDF", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
     axes[0].legend(loc="lower right", fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def busy_shares(samples: Sequence[tuple]) -> list[tuple[float, float, float, str]]:
@@ -85,7 +85,7 @@ def plot_timelines(runs: Sequence[SystemRun], path: Path) -> Path:
     axes[-1, 0].set_xlabel("time since the replay started (s)")
     handles = [Patch(color=c, label=role) for role, c in ROLE_COLOURS.items()]
     axes[0, 0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize=8, frameon=False)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _period(run: SystemRun) -> float:
@@ -129,7 +129,7 @@ def plot_relative(report: dict, path: Path) -> Path:
     ax.set_title(f"Relative to {first} (cf. TetriInfer Fig. 16)")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_slo(report: dict, path: Path) -> Path:
@@ -158,10 +158,10 @@ def plot_slo(report: dict, path: Path) -> Path:
         ax.set_xticks(x, names, fontsize=8)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(report["trace"].get("slo_line", "").split("\n")[0], fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
