@@ -83,3 +83,32 @@ def test_an_slo_no_request_could_meet_alone_is_said_before_any_rate():
     tight = Slo(tight.name, tight.terms, V100)
     assert tight.meetable_share(reqs) == 0.0  # a 1,024-token prompt alone takes ~0.47 s on the V100
     assert build_slo("balanced", None, lambda: V100).meetable_share(reqs) == 1.0
+
+
+def test_a_simulated_replay_reports_attainment_goodput_and_the_predictor(tmp_path):
+    """replay --slo CORNER on sim: (virtual time, no weights): the corner's limits printed and kept,
+    attainment, request_goodput and per device per system, and each system's predictor named."""
+    import json
+
+    from aserve.commands import build_parser
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i * 0.2, "prompt_tokens": 300 + 50 * (i % 5),
+                                         "output_tokens": 30 + 7 * (i % 4)}) + "\n" for i in range(24)))
+    out = tmp_path / "r.json"
+    a = build_parser().parse_args(["replay", str(trace), "--device", "sim:opt-13b-v100-32gb", "--no-progress",
+                                   "--slo", "balanced", "--goodput", "e2el:60000", "--json", str(out), "--compare",
+                                   "vllm: --mode coupled --instances 2 --batching vllm ; "
+                                   "tetri: --mode disagg --prefill 1 --decode 1 --predictor oracle"])
+    assert a.func(a) == 0
+    report = json.loads(out.read_text())
+    slo = report["trace"]["slo"]
+    assert slo["name"] == "balanced + e2el:60000" and set(slo["terms"]) == {"ttft", "tpot", "token_gap", "e2el"}
+    assert slo["device"] == "sim:opt-13b-v100-32gb" and slo["meetable_alone"] == 1.0
+    assert report["trace"]["slo_line"].startswith("SLO balanced + e2el:60000 on sim:opt-13b-v100-32gb: ttft <= 3 x")
+    for name, s in report["systems"].items():
+        assert 0 < s["slo_attainment"] <= 1 and s["slo_good"] == round(s["slo_attainment"] * 24)
+        assert s["devices"] == 2 and s["goodput_per_device"] == pytest.approx(s["request_goodput"] / 2)
+        assert set(s["slo_misses"]) >= {"ttft", "tpot", "token_gap", "e2el"}
+    assert report["systems"]["vllm"]["predictor_label"] == "accuracy 65.7%"  # the fair default on sim:
+    assert report["systems"]["tetri"]["predictor_label"] == "oracle"  # asked for, and named
