@@ -92,6 +92,9 @@ def _register_goodput(bsub) -> None:
     c.add_argument("--max-points", type=int, default=12, help="replays per system at most")
     c.add_argument("--estimate-only", action="store_true",
                    help="real devices: print the estimated wall time (the search simulated on sim:local) and stop")
+    c.add_argument("--estimate-device", default=None, metavar="sim:PROFILE",
+                   help="the simulated twin a real device's search is estimated (and started) on (default: sim:local, "
+                        "this machine's measured engine, on a CPU; none on a GPU)")
     c.add_argument("--timeout", type=float, default=None, help="per point: abort what is left after this many s")
     c.add_argument("--json", default=None, help="write the results here")
     c.add_argument("--plot", default=None, help="write the attainment-vs-rate plot here (PNG)")

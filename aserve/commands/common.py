@@ -116,7 +116,8 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                                   "(0: --flip-window)"),
             ("--flip-cooldown", 0.0, "ratio flips: seconds between two flips anywhere (0: --flip-window)"),
             ("--interference", 0.2, "adaptive placement: weight of the running decodes' slowdown against a "
-                                    "prompt's own wait (scheduling/placement.py)")):
+                                    "prompt's own wait (scheduling/placement.py; tuned on the synthetic workloads "
+                                    "and the Azure conversation trace only)")):
         g.add_argument(flag, type=float, default=default, help=what)
     g.add_argument("--keep-margin", type=keep_margin_arg, default=None, metavar="auto|N",
                    help="adaptive placement: whether a prefill instance keeps a request it prefilled and decodes it; "

@@ -69,17 +69,19 @@ def run_goodput_command(a: argparse.Namespace) -> int:
     if len({is_sim(s.engine) for s in specs}) > 1:
         raise ValueError("--compare mixes simulated and real devices: search them separately")
     prompts = PromptBuilder(bundle.tokenizer, Path(a.prompts) if a.prompts else None, a.seed).build(first.requests)
+    twin = a.estimate_device or (None if sim or not a.device.startswith("cpu") else "sim:local")
+    if twin is not None and not twin.startswith("sim:"):
+        raise ValueError(f"--estimate-device must be a simulated device (sim:PROFILE), got {twin!r}")
     job = GoodputJob(fitted, prompts, bundle, slo, a.target, a.precision, a.max_points, a.rate_start,
-                     run_virtual if sim else run_loop,
-                     None if sim or not a.device.startswith("cpu") else "sim:local", a.timeout, a.progress)
+                     run_virtual if sim else run_loop, twin, a.timeout, a.progress)
     requests = prepare(job, a.trace)
     console.print(slo.describe(requests), highlight=False)
     for hint in budget_hints(specs, slo, requests):
         console.print(f"[yellow]note[/yellow] {hint}", highlight=False)
     if a.estimate_only:
         if job.estimate_device is None:
-            raise ValueError("--estimate-only is for a real CPU device (a sim: search takes seconds; a GPU's "
-                             "search has no simulated twin here)")
+            raise ValueError("--estimate-only is for a real CPU device, or with --estimate-device sim:PROFILE (a sim: "
+                             "search takes seconds; a GPU's search has no simulated twin by default)")
         from aserve.bench.goodput_run import estimate
 
         for spec in specs:

@@ -31,8 +31,8 @@ Two ways to state limits, one object (``Slo``):
 
 Where the numbers come from (docs/notes/goodput.md has the arithmetic): DistServe (OSDI'24) holds
 its OPT-13B chatbot to 0.25 s TTFT and 0.1 s TPOT on A100s; by the same roofline as our V100
-profile an A100 decode step of OPT-13B is about 18 ms (TPOT 0.1 s = 5.6 steps) and a 300-token
-prompt about 53 ms (0.25 s = 3 x prefill + 5 steps): ``balanced``. Sarathi-Serve's strict TBT SLO
+profile an A100-80GB decode step of OPT-13B is about 18 ms (TPOT 0.1 s = 5.4 steps) and a
+200-token prompt about 51 ms (0.25 s = 3 x prefill + 5 steps): ``balanced``. Sarathi-Serve's strict TBT SLO
 is 5x a decode-only iteration, its relaxed one 25x: the token gap of ``tight-tpot`` and of the
 others. The tight corners halve the tight side (TTFT, or TPOT to 2 steps) and relax the other
 5x, the ratio of Sarathi's strict to relaxed SLO. ``b`` is a floor for short prompts: a request
