@@ -130,3 +130,17 @@ def test_a_search_on_the_simulated_v100_writes_its_knee_points_and_plot(tmp_path
 def test_knee_dataclass_reads_its_error_bar():
     k = Knee(0.5, (0.5, 0.52), "within", ())
     assert k.error == pytest.approx(0.02) and k.monotone
+
+
+def test_the_estimate_is_the_search_simulated_on_the_twin(tmp_path, capsys):
+    """A real device's search states its wall time first: the same search on its simulated twin
+    (sim:local on a CPU), each point as long as its makespan; --estimate-only stops there."""
+    assert goodput(tmp_path, trace_file(tmp_path, 40), "--slo", "balanced", "--estimate-only", "--max-points", "6",
+                   "--estimate-device", "sim:opt-13b-v100-32gb",
+                   "--compare", "vllm: --mode coupled --instances 2 --batching vllm") == 0
+    out = capsys.readouterr().out
+    assert "vllm: estimated wall time" in out and "knee near" in out
+    with pytest.raises(ValueError, match="--estimate-device must be a simulated device"):
+        goodput(tmp_path, trace_file(tmp_path, 40), "--slo", "balanced", "--estimate-device", "cpu")
+    with pytest.raises(ValueError, match="--estimate-only is for a real CPU device"):
+        goodput(tmp_path, trace_file(tmp_path, 40), "--slo", "balanced", "--estimate-only")

@@ -185,7 +185,7 @@ def replay_point(spec, trace, prompts, bundle, slo: Slo, rate: float, run_loop, 
     from aserve.replay.report import summarize
 
     wall0 = time.perf_counter()
-    run = run_loop(replay_cluster(SystemSpec(f"{spec.name} @ {rate:.3g} req-s", spec.engine, spec.cluster),
+    run = run_loop(replay_cluster(SystemSpec(f"{spec.name} @ {rate:.3g} req/s", spec.engine, spec.cluster),
                                   trace, prompts, bundle, progress, True, timeout_s))
     a = attainment(run.records, slo)
     span = summarize(run)["makespan_s"]
