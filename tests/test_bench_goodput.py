@@ -144,3 +144,19 @@ def test_the_estimate_is_the_search_simulated_on_the_twin(tmp_path, capsys):
         goodput(tmp_path, trace_file(tmp_path, 40), "--slo", "balanced", "--estimate-device", "cpu")
     with pytest.raises(ValueError, match="--estimate-only is for a real CPU device"):
         goodput(tmp_path, trace_file(tmp_path, 40), "--slo", "balanced", "--estimate-only")
+
+
+def test_the_floor_is_where_each_request_arrives_after_the_last_would_have_finished_alone():
+    """A mean gap would not do for a bursty trace (the Azure code trace: 41% of gaps under 5% of the
+    mean): its bursts stay bursts at any rate, so the floor reads every gap."""
+    from aserve.bench.goodput import search_bounds
+
+    slo = build_slo("balanced", None, lambda: V100)
+    even = [TraceRequest(float(i), 500, 100) for i in range(30)]
+    bursty = [TraceRequest(i // 10 * 10 + (i % 10) * 0.01, 500, 100) for i in range(30)]
+    alone = V100.alone(500, 100)["e2el"]
+    assert search_bounds(slo, even)[0] == pytest.approx(1.0 / alone)  # 1 s apart at 1 req/s
+    assert search_bounds(slo, bursty)[0] == pytest.approx(0.01 / alone)  # the 0.01 s gaps inside a burst
+    assert search_bounds(slo, [TraceRequest(0.0, 500, 100)] * 30)[0] == pytest.approx(1.0 / alone)  # no gap at all
+    ceiling = search_bounds(slo, even)[1]
+    assert ceiling == pytest.approx(29 / V100.prefill_s(500))  # the whole trace within one median prefill

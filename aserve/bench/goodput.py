@@ -12,9 +12,8 @@ shape of its arrivals, rescaled; an untimed one gets Poisson arrivals, or Gamma 
       x2 up while attainment >= target, /2 down while below  -> a bracket [good, bad)
       geometric bisection until bad / good <= 1 + --precision -> the knee = good, its error bar = bad - good
 
-The search never runs unbounded: below ``floor`` (one request's unloaded e2e time between
-arrivals, on average: the requests mostly run alone) a failing system is reported as unable to
-meet the SLO at any rate; above ``ceiling`` (the whole trace arrives within one median prompt's
+The search never runs unbounded: at ``floor`` (every request arrives after the one before it
+would have finished alone) a failing system is reported as unable to meet the SLO at any rate; above ``ceiling`` (the whole trace arrives within one median prompt's
 prefill: raising the rate changes nothing) a passing one as too little load to find its knee
 (a longer trace is needed). This module is the search and the replays; goodput_report.py prints
 and plots it.
@@ -139,12 +138,19 @@ def search(probe: Callable[[float], Point], lim: Limits) -> Knee:
 
 
 def search_bounds(slo: Slo, requests: Sequence) -> tuple[float, float]:
-    """``(floor, ceiling)`` in req/s from the device's unloaded costs (module doc)."""
+    """``(floor, ceiling)`` in req/s from the device's unloaded costs (module doc); ``requests``
+    re-timed to 1 req/s (every probed rate divides their gaps by itself).
+
+    The floor is where every request arrives after the one before it would have finished alone
+    (requests arriving together stay together at any rate: a bursty trace is bursty at every
+    rate, so a mean gap would not do: on the Azure code trace 41% of gaps are under 5% of the mean)."""
     costs = slo.costs
     n = len(requests)
     e2e = [costs.alone(r.prompt_tokens, r.output_tokens)["e2el"] for r in requests]
+    gaps = [(b.arrival_s - a.arrival_s) / t for a, b, t in zip(requests, requests[1:], e2e) if b.arrival_s > a.arrival_s]
     prefill = float(np.median([costs.prefill_s(r.prompt_tokens) for r in requests]))
-    return 1.0 / float(np.mean(e2e)), (n - 1) / max(prefill, 1e-6)
+    floor = min(gaps, default=1.0 / float(np.mean(e2e)))
+    return max(floor, 1e-9), (n - 1) / max(prefill, 1e-6)
 
 
 def check_trace(requests: Sequence, source: str) -> None:

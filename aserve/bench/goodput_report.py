@@ -11,8 +11,8 @@ from aserve.bench.goodput import Knee
 BOUNDS = {"within": "the knee lies in the bracket",
           "at_least": "still passing with the whole trace arriving within one median prefill: the trace is too "
                       "short (too little load) to find this system's knee; use more requests",
-          "below": "fails even at the floor (one request's unloaded e2e time between arrivals): this system cannot "
-                   "meet the SLO at any rate",
+          "below": "fails even at the floor (every request arriving after the one before it would have finished "
+                   "alone): this system cannot meet the SLO at any rate",
           "max_points": "stopped at --max-points before the bracket closed to --precision"}
 
 

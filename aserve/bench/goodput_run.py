@@ -45,7 +45,7 @@ def native_rate(requests: Sequence) -> Optional[float]:
 
 
 def limits_for(job: GoodputJob, requests: Sequence, start: Optional[float] = None) -> Limits:
-    floor, ceiling = search_bounds(job.slo, requests)
+    floor, ceiling = search_bounds(job.slo, job.fitted(1.0).requests)
     start = start or job.rate_start or native_rate(requests) or (floor * ceiling) ** 0.5
     return Limits(start, floor, ceiling, job.target, job.precision, job.max_points)
 
