@@ -10,8 +10,8 @@ import pytest
 from aserve.commands import build_parser
 from aserve.replay.driver import drive
 from aserve.commands.replay import parse_compare
-from aserve.replay.report import (LATENCIES, RequestRecord, SystemRun, build_report, parse_slo, print_report,
-                                  summarize)
+from aserve.replay.report import LATENCIES, RequestRecord, SystemRun, build_report, print_report, summarize
+from aserve.replay.slo import build_slo
 from aserve.replay.traces import Trace, TraceRequest
 from tests.step_log_support import check_step_log
 
@@ -24,7 +24,7 @@ TRACE = [  # 6 requests, short outputs; one with prompt text, one long enough fo
     {"timestamp": 0.5, "prompt_tokens": 64, "output_tokens": 8},
 ]
 SYSTEM_KEYS = {"completed", "failed", "aborted", "clipped", *LATENCIES, "throughput_rps", "output_tokens_per_s",
-               "goodput_rps", "resource_usage_s", "perf_per_dollar_vs_first", "stalls", "padding_tokens",
+               "request_goodput", "slo_attainment", "goodput_per_device", "resource_usage_s", "perf_per_dollar_vs_first", "stalls", "padding_tokens",
                "kv_bytes_moved", "kv_transfers", "kv_real_s", "kv_emulated_s", "kv_real_bytes_per_s", "flips",
                "instance_failures", "recovery_s_max"}
 
@@ -44,7 +44,7 @@ def replayed(tmp_path_factory):
         "replay", str(trace), "--prompts", str(prompts), "--max-output-tokens", "7",
         "--compare", "tetri: --mode disagg --prefill 1 --decode 1 --pad ; vllm: --mode coupled --instances 2 --batching vllm",
         "--kv-cache-gb", "0.05", "--chunk-size", "128", "--max-num-batched-tokens", "512", "--json", str(tmp / "out.json"),
-        "--plots", str(tmp / "plots"), "--step-log", str(tmp / "steps.jsonl"),
+        "--plots", str(tmp / "plots"), "--step-log", str(tmp / "steps.jsonl"), "--predictor", "oracle",
         "--slo", "ttft=30,tbt=5", "--no-progress"])
     rc = args.func(args)
     return rc, json.loads((tmp / "out.json").read_text()), tmp
@@ -73,9 +73,11 @@ def test_report_shape_and_sane_numbers(replayed):
             assert s[key]["p50"] <= s[key]["p99"] <= s[key]["p999"] <= s[key]["max"]
         assert 0 < s["ttft"]["mean"] <= s["jct"]["mean"] and s["ttft"]["p99"] <= s["jct"]["p99"]
         assert s["throughput_rps"] > 0 and s["output_tokens_per_s"] > 0 and s["resource_usage_s"] > 0
-        assert 0 <= s["goodput_rps"] <= s["throughput_rps"]
+        assert 0 <= s["request_goodput"] <= s["throughput_rps"] and 0 <= s["slo_attainment"] <= 1
+        assert s["devices"] == 2 and s["goodput_per_device"] == pytest.approx(s["request_goodput"] / 2)
         assert s["flips"] == 0 and s["stalls"]["count"] >= 0
-        # the default predictor is the oracle: replay hands it every request's true length
+        # the oracle, asked for: replay hands it every request's true length (and the header names it)
+        assert s["predictor_label"] == "oracle"
         pred = s["predictor"]
         assert pred["name"] == "oracle" and (pred["predictions"], pred["fallbacks"], pred["scored"]) == (6, 0, 6)
         assert (pred["features"], pred["from_prefill"]) == ("prompt", 0)  # the oracle reads no model state
@@ -111,7 +113,7 @@ def test_blocks_return_and_plots_written(replayed):
         assert {i["role"] for i in s["instances"]} <= {"prefill", "decode", "coupled"}
         for inst in s["instances"]:
             assert inst["free_blocks_end"] == inst["free_blocks_start"], inst
-    for name in ("cdf.png", "timeline.png", "relative.png"):
+    for name in ("cdf.png", "timeline.png", "relative.png", "slo.png"):
         assert (tmp / "plots" / name).stat().st_size > 10_000
 
 
@@ -127,13 +129,6 @@ def test_compare_parsing_layers_over_the_command_line():
             parse_compare(bad, base)
 
 
-def test_slo_parsing():
-    assert parse_slo("ttft=1,tpot=200ms") == {"ttft": 1.0, "tpot": 0.2}
-    assert parse_slo("tbt=0.1") == {"tpot": 0.1}  # the key's older name
-    with pytest.raises(ValueError, match="KEY"):
-        parse_slo("latency=1")
-
-
 def record(i, arrival, times, status="completed", error=None):
     return RequestRecord(i, 10, len(times), arrival, status, arrival + 0.01, times[0] if times else None,
                          times[-1] if times else None, tuple(times), error=error)
@@ -141,11 +136,14 @@ def record(i, arrival, times, status="completed", error=None):
 
 def test_summarize_hand_made_records():
     recs = (record(0, 0.0, [0.5, 0.6, 0.7, 0.8]), record(1, 1.0, [1.2, 1.3, 2.3]), record(2, 1.5, [], "failed"))
-    s = summarize(SystemRun("x", recs), {"ttft": 0.3})
+    s = summarize(SystemRun("x", recs), build_slo("ttft=0.3", None))
     assert (s["completed"], s["failed"]) == (2, 1)
     assert s["ttft"]["mean"] == pytest.approx(0.35) and s["jct"]["p50"] == pytest.approx(1.05)
     assert s["stalls"]["count"] == 1 and s["stalls"]["seconds"] == pytest.approx(1.0)  # the 1.0 s gap > 5 x 0.1
-    assert s["throughput_rps"] == pytest.approx(2 / 2.3) and s["goodput_rps"] == pytest.approx(1 / 2.3)
+    assert s["throughput_rps"] == pytest.approx(2 / 2.3) and s["request_goodput"] == pytest.approx(1 / 2.3)
+    # the failed request counts against attainment; devices unknown (no instances): no per-device figure
+    assert s["slo_attainment"] == pytest.approx(1 / 3) and s["slo_misses"] == {"ttft": 1, "failed": 1}
+    assert s["goodput_per_device"] is None
     # TPOT per request (0.1, 0.55) and the gaps themselves, named apart: the 1.0 s gap is the max
     assert s["tpot"]["mean"] == pytest.approx(0.325) and s["token_gap"]["max"] == pytest.approx(1.0)
     assert s["token_gap"]["p50"] == pytest.approx(0.1)

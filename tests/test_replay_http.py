@@ -74,6 +74,18 @@ def test_http_replay_streams_and_times_tokens():
     assert s["total_output_tokens"] == 9 and s["request_throughput"] == pytest.approx(2 / s["duration"])
     assert s["mean_ttft_ms"] == pytest.approx(1000 * (ok.first_token_s - ok.arrival_s + held.first_token_s
                                                       - held.arrival_s) / 2)
+    # under --goodput: the failed request is not good; a server that is not aserve has no devices to
+    # count (goodput per device needs --devices), and a fake has no predictor to name
+    from dataclasses import replace
+
+    from aserve.replay.slo import build_slo
+
+    slo = build_slo(None, ["ttft:5000", "token_gap:5000"])
+    s = summarize(run, slo)
+    assert s["slo_attainment"] == pytest.approx(2 / 3) and s["slo_misses"] == {"ttft": 0, "token_gap": 0, "failed": 1}
+    assert s["goodput_per_device"] is None and s["predictor_label"] == "predictor n/a"
+    two = summarize(replace(run, devices=2), slo)
+    assert two["devices"] == 2 and two["goodput_per_device"] == pytest.approx(two["request_goodput"] / 2)
 
 
 def test_vllm_fields_by_hand():
@@ -116,3 +128,4 @@ def test_http_replay_against_the_aserve_server():
     assert all(i.free_blocks_end == i.free_blocks_start for i in run.instances)
     s = summarize(run)
     assert s["resource_usage_s"] > 0 and s["kv_bytes_moved"] > 0 and s["ttft"]["mean"] <= s["jct"]["mean"]
+    assert run.num_devices == 2 and run.predictor["name"] == "oracle"  # from the server's /v1/stats

@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a result file records as its command
     try:
         return args.func(args) or 0
     # model.loader's ModelNotFound is a FileNotFoundError, model.config's UnsupportedModel a ValueError:

@@ -1,10 +1,11 @@
-"""``aserve bench engine|swap-int8|interference|ray|capacity``: the benchmarks' command lines."""
+"""``aserve bench engine|swap-int8|interference|ray|goodput``: the benchmarks' command lines."""
 from __future__ import annotations
 
 import argparse
 
-from aserve.commands.common import add_cluster_args, add_engine_args, bundle_engine, engine_config
-from aserve.commands.replay import add_fit_args, build_specs, compare_items, fit_options
+from aserve.commands.common import add_cluster_args, add_engine_args, engine_config
+from aserve.commands.replay import add_fit_args
+from aserve.commands.slo_args import add_slo_args
 
 
 def register(subparsers) -> None:
@@ -39,7 +40,7 @@ def register(subparsers) -> None:
     br.add_argument("--json", default=None, help="write the results here")
     add_engine_args(br)
     br.set_defaults(func=cmd_bench_ray)
-    _register_capacity(bsub)
+    _register_goodput(bsub)
 
 
 def cmd_bench_engine(a: argparse.Namespace) -> int:
@@ -75,44 +76,37 @@ def cmd_bench_ray(a: argparse.Namespace) -> int:
     return 0
 
 
-def _register_capacity(bsub) -> None:
-    c = bsub.add_parser("capacity", help="highest request rate within a P99 TBT SLO and a median scheduling delay")
-    c.add_argument("trace", help="any trace 'aserve replay' reads; its arrivals are re-drawn at each probed rate")
+def _register_goodput(bsub) -> None:
+    c = bsub.add_parser("goodput", help="per system, the highest arrival rate at which >= 90%% of requests meet every "
+                                        "SLO (goodput per device, the knee and its error bar, attainment-vs-rate plot)")
+    c.add_argument("trace", help="any trace 'aserve replay' reads; its arrivals are re-timed to each probed rate")
     c.add_argument("--compare", default=None, help="'NAME: flags ; NAME: flags' (default: the command line's system)")
+    c.add_argument("--name", default=None, help="the system's name when not comparing")
     c.add_argument("--prompts", default=None, help="JSONL with 'prompt' text (default: random token ids)")
-    c.add_argument("--tbt-p99", type=float, default=0.5, help="P99 time-between-tokens SLO, seconds")
-    c.add_argument("--delay-p50", type=float, default=2.0, help="median scheduling delay limit, seconds")
-    c.add_argument("--rate-lo", type=float, default=0.05, help="lowest rate probed, req/s")
-    c.add_argument("--rate-hi", type=float, default=4.0, help="highest rate probed, req/s")
-    c.add_argument("--steps", type=int, default=5, help="bisection steps between them")
-    c.add_argument("--timeout", type=float, default=None, help="per probe: abort what is left after this many s")
+    c.add_argument("--target", type=float, default=0.9, help="share of requests that must be good (DistServe: 0.9)")
+    c.add_argument("--rate-start", type=float, default=None,
+                   help="req/s of the first point (default: the trace's own mean rate; on a real device the knee a "
+                        "simulation on this machine's profile predicts)")
+    c.add_argument("--precision", type=float, default=0.05,
+                   help="stop once the lowest failing rate is within this fraction above the knee (its error bar)")
+    c.add_argument("--max-points", type=int, default=12, help="replays per system at most")
+    c.add_argument("--estimate-only", action="store_true",
+                   help="real devices: print the estimated wall time (the search simulated on sim:local) and stop")
+    c.add_argument("--estimate-device", default=None, metavar="sim:PROFILE",
+                   help="the simulated twin a real device's search is estimated (and started) on (default: sim:local, "
+                        "this machine's measured engine, on a CPU; none on a GPU)")
+    c.add_argument("--timeout", type=float, default=None, help="per point: abort what is left after this many s")
     c.add_argument("--json", default=None, help="write the results here")
+    c.add_argument("--plot", default=None, help="write the attainment-vs-rate plot here (PNG)")
     c.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    add_slo_args(c, corner_help="; required")
     add_fit_args(c)
     add_engine_args(c)
     add_cluster_args(c)
-    c.set_defaults(func=cmd_capacity)
+    c.set_defaults(func=cmd_goodput)
 
 
-def cmd_capacity(a: argparse.Namespace) -> int:
-    from aserve.bench.capacity import run_capacity
-    from aserve.engine.bundle import ModelBundle
-    from aserve.replay.trace_formats import read_trace
-    from aserve.replay.traces import fit
+def cmd_goodput(a: argparse.Namespace) -> int:
+    from aserve.commands.goodput import run_goodput_command
 
-    if a.rate is not None:
-        raise ValueError("--rate is what bench capacity searches: use --rate-lo and --rate-hi")
-    if a.tbt_p99 <= 0 or a.delay_p50 <= 0:
-        raise ValueError(f"--tbt-p99 and --delay-p50 must be > 0, got {a.tbt_p99}, {a.delay_p50}")
-    items = compare_items(a.compare, a) if a.compare else [(None, a)]
-    bundle = ModelBundle.load(bundle_engine(a))
-    # read (and count text prompts) once; each probe only re-times the same requests
-    raw = read_trace(a.trace, lambda text: len(bundle.tokenizer.encode(text, add_special_tokens=False)))
-
-    def fitted(rate: float):
-        return fit(raw, fit_options(a, bundle.args.max_position, rate=rate, time_scale=1.0), str(a.trace))
-
-    specs = build_specs(items, fitted(a.rate_lo).longest_context)
-    run_capacity(specs, a.trace, fitted, a.prompts, bundle, a.tbt_p99, a.delay_p50, a.rate_lo, a.rate_hi,
-                 a.steps, a.timeout, a.json, a.burstiness, a.seed, a.progress)
-    return 0
+    return run_goodput_command(a)

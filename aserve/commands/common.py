@@ -77,10 +77,11 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                    help="interference | random | round-robin | least-loaded | imbalance")
     g.add_argument("--decode-policy", default="greedy", help="greedy | reserve-static | reserve-dynamic")
     g.add_argument("--preemption", default="recompute", help="recompute | swap")
-    g.add_argument("--predictor", default="oracle",
+    g.add_argument("--predictor", default=None,
                    help="output-length predictor: none | oracle | sklearn | lm | retrieval | accuracy (a simulation's: "
-                        "the true bucket at --predictor-option accuracy=P; predictors/README.md). Default: oracle, "
-                        "except serve (no true length for an API request: aserve/commands/serve_predictor.py)")
+                        "the true bucket at --predictor-option accuracy=P; predictors/README.md). Default: what serve "
+                        "runs (sklearn; no true length for an API request), on a sim: device accuracy at sklearn's "
+                        "measured 65.7%% (aserve/commands/serve_predictor.py); oracle only when asked for")
     g.add_argument("--predictor-granularity", type=int, default=200,
                    help="length bucket width, tokens: 100 | 200 | 400")
     g.add_argument("--predictor-mode", default="parallel",
@@ -118,7 +119,8 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                                   "(0: --flip-window)"),
             ("--flip-cooldown", 0.0, "ratio flips: seconds between two flips anywhere (0: --flip-window)"),
             ("--interference", 0.2, "adaptive placement: weight of the running decodes' slowdown against a "
-                                    "prompt's own wait (scheduling/placement.py)")):
+                                    "prompt's own wait (scheduling/placement.py; tuned on the synthetic workloads "
+                                    "and the Azure conversation trace only)")):
         g.add_argument(flag, type=float, default=default, help=what)
     g.add_argument("--keep-margin", type=keep_margin_arg, default=None, metavar="auto|N",
                    help="adaptive placement: whether a prefill instance keeps a request it prefilled and decodes it; "
@@ -249,12 +251,10 @@ def placement_costs(a: argparse.Namespace) -> dict:
 def cluster_config(a: argparse.Namespace):
     from aserve.config import ClusterConfig
 
-    options = parse_options(a.predictor_option, "predictor-option")  # a bad flag errs before any profiling
-    predictor = a.predictor
-    if predictor is None:  # serve left it to its default (serve_predictor.py)
-        from aserve.commands.serve_predictor import serve_predictor
+    from aserve.commands.serve_predictor import default_predictor
 
-        predictor = serve_predictor(a, options)[0]
+    options = parse_options(a.predictor_option, "predictor-option")  # a bad flag errs before any profiling
+    predictor, options, _ = default_predictor(a, options)  # --predictor, else serve's (a sim's: set accuracy)
     chunk = a.chunk_size or measured_engine(a).saturate_chunk()
     return ClusterConfig(mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, num_coupled=a.instances,
                          prefill_policy=a.prefill_policy, prefill_sched_batch=a.prefill_sched_batch,

@@ -19,7 +19,7 @@ def register(subparsers) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_args(g)
     add_cluster_args(g, default_mode="offline")
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=cmd_generate, predictor="oracle")  # one prompt, no comparison: as before issue 54
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

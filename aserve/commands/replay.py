@@ -1,7 +1,8 @@
 """``aserve replay`` and ``aserve workload``: argparse -> frozen configs -> replay -> report.
 
     aserve replay TRACE [fit flags] [--prompts FILE] [--url URL] [--compare 'A: flags ; B: flags']
-                        [--json FILE] [--plots DIR] [--slo ttft=1,tpot=200ms] [engine and cluster flags]
+                        [--json FILE] [--plots DIR] [--slo CORNER | --goodput ttft:MS tpot:MS ...]
+                        [engine and cluster flags]
     aserve workload NAME [--num-requests 128] [--out traces/NAME.jsonl] [--rate 1.0]
 
 ``--compare`` items are parsed with the same engine and cluster flags (add_engine_args,
@@ -15,10 +16,12 @@ import argparse
 import copy
 import shlex
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 from aserve.commands.common import add_cluster_args, add_engine_args, bundle_engine, cluster_config, engine_config
+from aserve.commands.slo_args import add_slo_args, slo_from_args
 from aserve.event_loop import run as run_loop
 
 BUNDLE_FLAGS = ("model", "dtype", "device", "attention", "kernels", "cache_dir")
@@ -74,6 +77,19 @@ def compare_items(text: str, base: argparse.Namespace) -> list:
     return items
 
 
+def predictor_lines(items: list) -> list[str]:
+    """One line per distinct choice among ``(name, flags)`` systems: which predictor and why."""
+    from aserve.commands.common import parse_options
+    from aserve.commands.serve_predictor import default_predictor
+
+    lines: dict[str, list[str]] = {}
+    for name, ns in items:
+        backend, options, why = default_predictor(ns, parse_options(ns.predictor_option, "predictor-option"))
+        label = f"{backend} {float(options['accuracy']):.1%}" if backend == "accuracy" else backend
+        lines.setdefault(f"predictor {label} ({why})", []).append(name or "the system")
+    return [f"{', '.join(names)}: {line}" for line, names in lines.items()]
+
+
 def add_fit_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("trace fitting")
     g.add_argument("--num-requests", type=int, default=None, help="replay only the first N requests")
@@ -116,11 +132,13 @@ def register(subparsers) -> None:
     r.add_argument("--plots", default=None, help="write PNG plots into this folder")
     r.add_argument("--step-log", default=None, help="write every executed step here, one JSON line each (its "
                    "shape, its measured time, its system and instance), for 'aserve profile device --from-steps'")
-    r.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=1,tpot=200ms (keys ttft, tpot = the request's "
-                   "mean time per output token, jct, norm; seconds or ms)")
+    r.add_argument("--devices", type=int, default=None,
+                   help="with --url: devices the server runs on, for goodput per device (default: its instances, "
+                        "where the server is aserve)")
     r.add_argument("--timeout", type=float, default=None, help="per system: abort what is left after this many s")
     r.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up request per instance")
     r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    add_slo_args(r)
     add_fit_args(r)
     add_engine_args(r)
     add_cluster_args(r)
@@ -196,17 +214,20 @@ async def _run(a, specs, trace, prompts, bundle, progress) -> list:
 def cmd_replay(a: argparse.Namespace) -> int:
     """Fit the trace, build prompts, replay every system, print the table, write JSON and plots."""
     from aserve.replay.driver import ReplayProgress
-    from aserve.replay.report import build_report, parse_slo, print_report, write_json
+    from aserve.replay.report import build_report, print_report, write_json
     from aserve.replay.traces import load_trace
     from aserve.replay.workloads import PromptBuilder
 
-    slo = parse_slo(a.slo)
     if a.url and (a.compare or a.step_log):
         raise ValueError("--compare and --step-log run in-process systems; they cannot be combined with --url")
+    if a.devices is not None and (not a.url or a.devices < 1):
+        raise ValueError(f"--devices N (>= 1) is for --url runs (in-process systems count their instances), "
+                         f"got {a.devices}")
     if a.chat and (a.max_prompt_tokens or a.length_scale != 1.0 or a.prompts):
         raise ValueError("--chat sends each request's own text whole: it cannot be combined with "
                          "--max-prompt-tokens, --length-scale or --prompts")
     items = compare_items(a.compare, a) if a.compare else [(a.name, a)]
+    slo = slo_from_args(a, items[0][1])  # a corner reads the (first) system's device
     bundle, tokenizer, context = _tokenizer_and_context(a, bundle_engine(a))
     builder = PromptBuilder(tokenizer, Path(a.prompts) if a.prompts else None, a.seed, chat=a.chat)
     count = (lambda text: len(builder.chat_ids(text))) if a.chat else \
@@ -214,10 +235,15 @@ def cmd_replay(a: argparse.Namespace) -> int:
     trace = load_trace(a.trace, fit_options(a, context), count)
     prompts = builder.build(trace.requests)
     specs = [] if a.url else build_specs(items, trace.longest_context)
+    if not a.url:
+        for line in predictor_lines(items):
+            print(line)
     with ReplayProgress(a.progress) as progress:
         runs = _event_loop(specs)(_run(a, specs, trace, prompts, bundle, progress))
     summary = {**trace.summary(), "prompts": builder.describe(trace.requests), "target": a.url or "in-process"}
-    report = build_report(summary, runs, slo, trace.num_clipped)
+    if a.devices is not None:
+        runs = [replace(run, devices=a.devices) for run in runs]
+    report = build_report(summary, runs, slo, trace.num_clipped, trace.requests)
     print_report(report)
     if a.json:
         print(f"wrote {write_json(report, a.json)}")

@@ -44,7 +44,7 @@ def register(subparsers) -> None:
     add_fit_args(p)
     add_engine_args(p)
     add_cluster_args(p)
-    p.set_defaults(func=cmd_soak)
+    p.set_defaults(func=cmd_soak, predictor="oracle")  # a robustness run, no comparison: as before issue 54
 
 
 def soak_config(a: argparse.Namespace):

@@ -181,5 +181,7 @@ async def replay_http(url: str, name: str, trace: Trace, prompts: Sequence[list[
         if sampler:
             await stats.take()
     flips = stats.snaps[-1][1].get("num_flips") if stats.snaps else None
+    served = (stats.snaps[-1][1].get("predictor") or {}) if stats.snaps else {}
+    predictor = {k: served[k] for k in ("name", "granularity", "mode") if k in served} or None
     return SystemRun(name, tuple(records), stats.instances(), stats.kv_bytes(), flips,
-                     config={"url": url, "model": target.model}, vllm=vllm_fields(records))
+                     config={"url": url, "model": target.model}, vllm=vllm_fields(records), predictor=predictor)

@@ -5,6 +5,8 @@
                   period its executor was busy, colour = its role then
     relative.png  like the paper's Figure 16: % change of mean TTFT, mean JCT, resource usage
                   and perf/$ of each system against the first (only with two or more systems)
+    slo.png       under an SLO: each system's attainment (the 90% line drawn), its goodput per
+                  device, and the share of requests missing each limit
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def plot_cdfs(runs: Sequence[SystemRun], path: Path) -> Path:
                title=f"{label} CDF", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
     axes[0].legend(loc="lower right", fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def busy_shares(samples: Sequence[tuple]) -> list[tuple[float, float, float, str]]:
@@ -83,7 +85,7 @@ def plot_timelines(runs: Sequence[SystemRun], path: Path) -> Path:
     axes[-1, 0].set_xlabel("time since the replay started (s)")
     handles = [Patch(color=c, label=role) for role, c in ROLE_COLOURS.items()]
     axes[0, 0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize=8, frameon=False)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _period(run: SystemRun) -> float:
@@ -127,10 +129,39 @@ def plot_relative(report: dict, path: Path) -> Path:
     ax.set_title(f"Relative to {first} (cf. TetriInfer Fig. 16)")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
-def _save(fig, path: Path) -> Path:
+def plot_slo(report: dict, path: Path) -> Path:
+    systems = report["systems"]
+    names = list(systems)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    x = np.arange(len(names))
+    attained = [100 * (systems[n]["slo_attainment"] or 0) for n in names]
+    bars = axes[0].bar(x, attained, color="tab:green")
+    axes[0].bar_label(bars, labels=[f"{v:.0f}%" for v in attained], fontsize=8)
+    axes[0].axhline(90, color="black", linestyle="--", linewidth=0.8)
+    axes[0].set(ylabel="requests meeting every SLO (%)", title="SLO attainment", ylim=(0, 105))
+    per_device = [systems[n]["goodput_per_device"] or 0.0 for n in names]
+    bars = axes[1].bar(x, per_device, color="tab:blue")
+    axes[1].bar_label(bars, labels=[f"{v:.3g}" for v in per_device], fontsize=8)
+    axes[1].set(ylabel="good requests / s / device", title="goodput per device (at this run's rate)")
+    keys = sorted({k for n in names for k in (systems[n]["slo_misses"] or {})})
+    width = 0.8 / max(1, len(keys))
+    for k, key in enumerate(keys):
+        share = [100 * (systems[n]["slo_misses"] or {}).get(key, 0) / max(1, systems[n]["completed"] + systems[n]["failed"]
+                                                                           + systems[n]["aborted"]) for n in names]
+        axes[2].bar(x + (k - (len(keys) - 1) / 2) * width, share, width, label=key)
+    axes[2].set(ylabel="requests missing it (%)", title="which limit the bad requests missed")
+    axes[2].legend(fontsize=8)
+    for ax in axes:
+        ax.set_xticks(x, names, fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(report["trace"].get("slo_line", "").split("\n")[0], fontsize=8)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -146,4 +177,6 @@ def write_plots(runs: Sequence[SystemRun], report: dict, out_dir) -> list[Path]:
         paths.append(plot_timelines(runs, out / "timeline.png"))
     if len(report["systems"]) > 1:
         paths.append(plot_relative(report, out / "relative.png"))
+    if any(s.get("slo_attainment") is not None for s in report["systems"].values()):
+        paths.append(plot_slo(report, out / "slo.png"))
     return paths

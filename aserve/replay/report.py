@@ -6,7 +6,10 @@ last token), normalized latency (JCT / output tokens), queue time (arrival -> fi
 Per system: mean/p50/p90/p99/p99.9/max of each (TPOT over requests, token gaps over every gap:
 the two are named apart, since a mean of TPOTs hides the rare long gap that the gap percentiles
 and the max show), throughput, goodput under an SLO, resource usage and perf/$, generation
-stalls (gaps over 5x the median gap), padding, KV bytes moved, flips.
+stalls (gaps over 5x the median gap), padding, KV bytes moved, flips. Under an SLO
+(aserve/replay/slo.py): attainment (the share of requests that completed and met every limit),
+``request_goodput`` (good requests per second, vLLM's name), goodput per device, and how many
+requests missed each limit.
 
 *Resource usage* is the sum over instances of the wall seconds each one's executor spent on
 model steps (the paper's "resource usage time"). *perf/$* follows the paper's "performance per
@@ -23,13 +26,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from aserve.replay.slo import ATTAINMENT_TARGET, Slo, attainment
 from scheduling.stalls import count_stalls
 
 STALL_K = 5.0  # a stall: a token gap longer than STALL_K x the median gap (Sarathi-Serve)
 LATENCIES = ("ttft", "tpot", "token_gap", "jct", "normalized_latency", "queue_time")
-SLO_KEYS = {"ttft": "TTFT", "tpot": "the request's mean time per output token (TPOT)", "jct": "JCT",
-            "norm": "normalized latency (JCT per output token)"}
-SLO_ALIASES = {"tbt": "tpot"}  # the key's name before TPOT and token gaps were told apart
 
 
 @dataclass(frozen=True)
@@ -94,25 +95,11 @@ class SystemRun:
     # by another instance before they started (cluster.py, _late_bind)
     placements: Optional[dict] = None
     vllm: dict = field(default_factory=dict)  # over HTTP: vllm bench serve's fields (aserve/replay/vllm_names.py)
+    devices: Optional[int] = None  # devices the system ran on (None: its instances, where known)
 
-
-def parse_slo(text: Optional[str]) -> dict[str, float]:
-    """``ttft=1,tpot=200ms`` -> {"ttft": 1.0, "tpot": 0.2}; seconds, or with an ``ms`` suffix."""
-    if not text:
-        return {}
-    slo = {}
-    for part in text.split(","):
-        key, sep, value = part.strip().partition("=")
-        key = SLO_ALIASES.get(key, key)
-        if not sep or key not in SLO_KEYS:
-            raise ValueError(f"bad --slo item {part.strip()!r}: use KEY=SECONDS with KEY one of {', '.join(SLO_KEYS)}")
-        try:
-            slo[key] = float(value[:-2]) / 1000 if value.endswith("ms") else float(value.rstrip("s"))
-        except ValueError:
-            raise ValueError(f"bad --slo value {value!r} for {key}: seconds, e.g. 0.2 or 200ms") from None
-        if slo[key] <= 0:
-            raise ValueError(f"--slo {key} must be > 0")
-    return slo
+    @property
+    def num_devices(self) -> Optional[int]:
+        return self.devices if self.devices is not None else (len(self.instances) or None)
 
 
 def stats(values: Sequence[float]) -> Optional[dict]:
@@ -140,13 +127,7 @@ def tpot(r: RequestRecord) -> float:
     return (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) if len(r.token_times) > 1 else 0.0
 
 
-def meets_slo(r: RequestRecord, slo: dict) -> bool:
-    jct = r.finish_s - r.arrival_s
-    values = {"ttft": r.first_token_s - r.arrival_s, "tpot": tpot(r), "jct": jct, "norm": jct / max(1, r.output_tokens)}
-    return all(values[k] <= v for k, v in slo.items())
-
-
-def summarize(run: SystemRun, slo: Optional[dict] = None, clipped: int = 0) -> dict:
+def summarize(run: SystemRun, slo: Optional[Slo] = None, clipped: int = 0) -> dict:
     """One system's numbers, in the JSON report's shape (seconds)."""
     done = [r for r in run.records if r.status == "completed" and r.first_token_s is not None]
     samples = {k: [] for k in LATENCIES}
@@ -163,7 +144,7 @@ def summarize(run: SystemRun, slo: Optional[dict] = None, clipped: int = 0) -> d
            **{k: stats(samples[k]) for k in LATENCIES},
            "throughput_rps": len(done) / span if span > 0 else 0.0,
            "output_tokens_per_s": tokens / span if span > 0 else 0.0,
-           "goodput_rps": (sum(meets_slo(r, slo) for r in done) / span if span > 0 else 0.0) if slo else None,
+           **_goodput(run, slo, span),
            "resource_usage_s": sum(i.busy_s for i in inst) if inst else None,
            "perf_per_dollar_vs_first": None,
            "stalls": {"count": st.count, "seconds": float(st.total_s), "longest_s": st.longest_s,
@@ -190,9 +171,24 @@ def summarize(run: SystemRun, slo: Optional[dict] = None, clipped: int = 0) -> d
                           "free_blocks_start": i.free_blocks_start, "free_blocks_end": i.free_blocks_end}
                          for i in inst]}
     out["perf"] = out["output_tokens_per_s"] / out["resource_usage_s"] if out["resource_usage_s"] else None
+    out["predictor_label"] = predictor_label(out)
     for key, value in run.vllm.items():  # beside aserve's own; completed and failed mean the same in both
         out.setdefault(key, value)
     return out
+
+
+def _goodput(run: SystemRun, slo: Optional[Slo], span: float) -> dict:
+    """Attainment, request_goodput (good requests / the run's span, as vLLM divides by its
+    benchmark's duration) and per device; None where no SLO was given (or devices are unknown)."""
+    devices = run.num_devices
+    if slo is None:
+        return {"slo_attainment": None, "slo_good": None, "request_goodput": None, "goodput_per_device": None,
+                "slo_misses": None, "devices": devices}
+    a = attainment(run.records, slo)
+    goodput = a["good"] / span if span > 0 else 0.0
+    return {"slo_attainment": a["slo_attainment"], "slo_good": a["good"], "request_goodput": goodput,
+            "goodput_per_device": goodput / devices if devices else None, "slo_misses": a["misses"],
+            "devices": devices}
 
 
 def failure_reasons(records) -> dict:
@@ -218,8 +214,8 @@ def _kv_summary(kv: Optional[dict]) -> dict:
             "kv_real_bytes_per_s": kv["bytes"] / real if real > 0 else None}
 
 
-def build_report(trace_summary: dict, runs: Sequence[SystemRun], slo: Optional[dict] = None,
-                 clipped: int = 0) -> dict:
+def build_report(trace_summary: dict, runs: Sequence[SystemRun], slo: Optional[Slo] = None,
+                 clipped: int = 0, requests: Sequence = ()) -> dict:
     """``{"trace": {...}, "systems": {name: {...}}}``; perf/$ relative to the first system."""
     systems = {run.name: summarize(run, slo, clipped) for run in runs}
     first = next(iter(systems.values()), None)
@@ -228,8 +224,15 @@ def build_report(trace_summary: dict, runs: Sequence[SystemRun], slo: Optional[d
             s["perf_per_dollar_vs_first"] = s["perf"] / first["perf"]
     add_oracle_gain_kept(systems)
     trace = dict(trace_summary)
-    if slo:
-        trace["slo"] = {**slo, "meaning": {k: SLO_KEYS[k] for k in slo}}
+    if slo is not None:  # ``requests``: the trace's (fitted lengths), for the limits each works out to
+        reqs = requests or (runs[0].records if runs else ())
+        trace["slo"] = slo.to_json(reqs)
+        trace["slo_line"] = slo.describe(reqs)
+        share = slo.meetable_share(reqs)
+        trace["slo"]["meetable_alone"] = share
+        if share < ATTAINMENT_TARGET:
+            trace["slo_line"] += (f"\n  only {share:.0%} of these requests could meet it even alone on the device "
+                                  f"(attainment {ATTAINMENT_TARGET:.0%} is out of reach at any rate)")
     trace["perf_per_dollar"] = "output tokens/s divided by resource usage s (sum of instances' busy s), vs the first"
     return {"trace": trace, "systems": systems}
 
@@ -273,7 +276,7 @@ def write_json(report: dict, path) -> Path:
 _LAT_ROWS = (("TTFT", "ttft"), ("TPOT", "tpot"), ("token gap", "token_gap"), ("JCT", "jct"),
              ("norm. latency", "normalized_latency"), ("queue time", "queue_time"))
 _SCALAR_ROWS = (("throughput req/s", "throughput_rps", "{:.3f}"), ("output tokens/s", "output_tokens_per_s", "{:.1f}"),
-                ("goodput req/s", "goodput_rps", "{:.3f}"), ("resource usage s", "resource_usage_s", "{:.2f}"),
+                ("resource usage s", "resource_usage_s", "{:.2f}"),
                 ("perf/$ vs first", "perf_per_dollar_vs_first", "{:.2f}"), ("padding tokens", "padding_tokens", "{:d}"),
                 ("KV bytes moved", "kv_bytes_moved", "{:,d}"),
                 ("KV bytes on the link", "kv_bytes_charged", "{:,d}"),
@@ -305,7 +308,7 @@ def _latency_cell(s: dict, first: dict, key: str, is_first: bool) -> str:
 
 
 def _predictions_cell(p: Optional[dict]) -> str:
-    if not p:
+    if not p or "predictions" not in p:  # over HTTP only the server's backend is known
         return "n/a"
     reasons = ", ".join(f"{n} {r}" for r, n in p.get("fallback_reasons", {}).items() if n)
     p50, tapped = p.get("latency_p50_s"), p.get("from_prefill")
@@ -321,11 +324,50 @@ def _gain_cell(s: dict) -> str:
     return " / ".join("n/a" if kept.get(k) is None else f"{kept[k]:.0%}" for k in GAIN_KEYS)
 
 
+def predictor_label(s: dict) -> str:
+    """The length predictor a system ran with, as the table's header names it: the backend, and
+    the set accuracy of a simulation's ``accuracy`` predictor."""
+    p = s.get("predictor") or {}
+    name = p.get("name")
+    if not name:
+        return "predictor n/a"
+    options = dict((s.get("config") or {}).get("cluster", {}).get("predictor_options") or ())
+    if name == "accuracy":
+        return f"accuracy {float(options.get('accuracy', 0.749)):.1%}"
+    return name
+
+
+def _slo_rows(systems: dict, first: dict) -> list[list[str]]:
+    """Attainment, goodput and per device, and which limits the bad requests missed."""
+    values = list(systems.values())
+    if all(s.get("slo_attainment") is None for s in values):
+        return []
+
+    def attained(s):
+        a = s["slo_attainment"]
+        return "n/a" if a is None else f"{a:.1%} ({s['slo_good']} good)"
+
+    def per_device(s):
+        g = s["goodput_per_device"]
+        return "n/a (devices unknown: --devices)" if g is None else f"{g:.3f} ({s['devices']} devices)"
+
+    def missed(s):
+        return " / ".join(f"{k} {n}" for k, n in (s.get("slo_misses") or {}).items()) or "none"
+
+    return [["SLO attainment"] + [attained(s) for s in values],
+            ["request goodput req/s"] + [f"{s['request_goodput']:.3f}" + ("" if i == 0 else
+                                         _ratio(s["request_goodput"], first["request_goodput"]))
+                                         for i, s in enumerate(values)],
+            ["goodput per device req/s"] + [per_device(s) for s in values],
+            ["requests missing each SLO"] + [missed(s) for s in values]]
+
+
 def _rows(systems: dict) -> list[list[str]]:
     names = list(systems)
     first = systems[names[0]]
     rows = [["requests ok/fail/abort/clip"] +
             [f"{s['completed']}/{s['failed']}/{s['aborted']}/{s['clipped']}" for s in systems.values()]]
+    rows += _slo_rows(systems, first)  # the headline, where an SLO was given
     for label, key in _LAT_ROWS:
         rows.append([f"{label} s"] +
                     [_latency_cell(s, first, key, i == 0) for i, s in enumerate(systems.values())])
@@ -360,14 +402,17 @@ def print_report(report: dict, console=None) -> None:
                   f"over {t.get('duration_s', 0):.1f} s, prompts: {t.get('prompts', 'n/a')}, target: {t.get('target', 'n/a')}")
     for change in t.get("changes", []):
         console.print(f"  fitted: {change}")
+    if t.get("slo_line"):
+        console.print(escape(t["slo_line"]), highlight=False)
     systems = report["systems"]
     if not systems:
         return
     table = Table(title="replay: latencies as mean p50 p90 p99, token gaps as p50 p99 p99.9 max; "
                         "(xN) = ratio to the first system (of the mean; of p99 for token gaps)", show_lines=False)
     table.add_column("metric", style="bold")
-    for name in systems:
-        table.add_column(name, justify="right")
+    for name, s in systems.items():  # each system's predictor in its header: a table never hides an oracle
+        table.add_column(f"{escape(name)}\n[dim]{escape(s.get('predictor_label') or predictor_label(s))}[/dim]",
+                         justify="right")
     for row in _rows(systems):
         table.add_row(*row)
     console.print(table)

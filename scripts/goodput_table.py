@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Issue 54's paper-scale goodput table from ``scripts/goodput_paper.sh OUT_DIR``'s runs.
+
+    python scripts/goodput_table.py OUT_DIR [--json results/goodput_paper.json] [--plots docs/plots]
+
+Prints one markdown table (workload x corner rows; vllm, sarathi, tetri at its best static split,
+adaptive: goodput per device, req/s, with the knee's error bar), the Azure code trace's rows beside
+it (report-only), and writes the small result file (every cell, the attainment curves of Mixed
+and Azure, each run's command, commit, date and machine) and the curves' plots.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+CORNERS = ("balanced", "tight-ttft", "tight-tpot")
+WORKLOADS = ("LPLD", "LPHD", "HPLD", "HPHD", "Mixed", "Azure")
+REPORT_ONLY = ("AzureCode",)
+COLUMNS = ("vllm", "sarathi", "tetri", "adaptive")
+TETRI = ("tetri-1p3d", "tetri-2p2d", "tetri-3p1d")
+CURVES = ("Mixed", "Azure")
+
+
+def best_tetri(systems: dict) -> tuple[str, dict]:
+    """The static split with the highest goodput (a split that passed nowhere ranks last)."""
+    ranked = sorted(((s["goodput_per_device"] or -1.0, name) for name, s in systems.items() if name in TETRI),
+                    reverse=True)
+    return ranked[0][1], systems[ranked[0][1]]
+
+
+def cell(name: str, s: dict, split: str = "") -> dict:
+    return {"system": name, "split": split or None, "goodput_per_device": s["goodput_per_device"],
+            "knee_rate": s["knee_rate"], "knee_bracket": s["knee_bracket"], "bound": s["bound"],
+            "limited_by": s["limited_by"], "num_points": s["num_points"], "wall_s": round(s["wall_s"], 1),
+            "predictor": s["predictor"], "monotone": s["monotone"], "devices": s["devices"]}
+
+
+def row_cells(run: dict) -> dict:
+    systems = run["systems"]
+    out = {name: cell(name, systems[name]) for name in ("vllm", "sarathi", "adaptive") if name in systems}
+    split, s = best_tetri(systems)
+    code = split.split("-")[1]  # e.g. 2p2d
+    out["tetri"] = cell("tetri", s, f"{code[0]}P+{code[2]}D")
+    out["tetri"]["splits"] = {n: systems[n]["goodput_per_device"] for n in TETRI if n in systems}
+    return out
+
+
+def text(c: dict, best: bool) -> str:
+    g, (lo, hi) = c["goodput_per_device"], c["knee_bracket"]
+    if c["bound"] == "below":
+        t = "0 (none)"
+    elif g is None:
+        t = "n/a"
+    else:
+        err = f" (+{(hi - lo) / c['devices']:.2g})" if hi is not None and lo is not None else ""  # the bracket, per device
+        t = (">= " if c["bound"] == "at_least" else "") + f"{g:.3g}{err}"
+    t += f" ({c['split']})" if c.get("split") else ""
+    return f"**{t}**" if best else t
+
+
+def markdown(rows: dict, title: str) -> str:
+    lines = [f"| {title} | corner | " + " | ".join(COLUMNS) + " | limited by (best) |",
+             "|---|---|" + "---:|" * len(COLUMNS) + "---|"]
+    for (w, corner), cells in rows.items():
+        top = max((c["goodput_per_device"] or 0.0) for c in cells.values())
+        best = max(cells.values(), key=lambda c: c["goodput_per_device"] or 0.0)
+        lines.append(f"| {w} | {corner} | " + " | ".join(
+            text(cells[n], top > 0 and (cells[n]["goodput_per_device"] or 0) >= top * 0.999) for n in COLUMNS)
+            + f" | {best['limited_by'] or '-'} |")
+    return "\n".join(lines)
+
+
+def wall_times(runs: dict) -> str:
+    """How long one system's search took (wall seconds on this machine), per workload."""
+    import statistics
+
+    lines = ["| workload | searches | wall s per system's search: median | max | points: median | max |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for w in WORKLOADS + REPORT_ONLY:
+        s = [x for (ww, _), r in runs.items() if ww == w for x in r["systems"].values()]
+        if s:
+            walls, pts = [x["wall_s"] for x in s], [x["num_points"] for x in s]
+            lines.append(f"| {w} | {len(s)} | {statistics.median(walls):.1f} | {max(walls):.1f} | "
+                         f"{statistics.median(pts):g} | {max(pts)} |")
+    return "\n".join(lines)
+
+
+def plot_curves(runs: dict, workload: str, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6), sharey=True)
+    for ax, corner in zip(axes, CORNERS):
+        run = runs.get((workload, corner))
+        if run is None:
+            continue
+        split, _ = best_tetri(run["systems"])
+        for name in ("vllm", "sarathi", split, "adaptive"):
+            s = run["systems"][name]
+            pts = sorted(s["points"])
+            g = s["goodput_per_device"]
+            ax.plot([r for r, _ in pts], [100 * a for _, a in pts], marker="o", markersize=3,
+                    label=f"{name}: {g:.3g}/device" if g is not None else f"{name}: none")
+        ax.axhline(90, color="black", linestyle="--", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set(title=f"{workload}, {corner}", xlabel="arrival rate, req/s (4 V100s)", ylim=(-2, 102))
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, loc="lower left")
+    axes[0].set_ylabel("requests meeting every SLO (%)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir")
+    p.add_argument("--json", default=None, help="write the small result file here")
+    p.add_argument("--plots", default=None, help="write goodput_Mixed.png and goodput_Azure.png here")
+    a = p.parse_args(argv)
+    runs = {}
+    for w in WORKLOADS + REPORT_ONLY:
+        for c in CORNERS:
+            f = Path(a.out_dir) / f"{w}_{c}.json"
+            if f.exists():
+                runs[(w, c)] = json.loads(f.read_text())
+    if not runs:
+        print(f"no runs in {a.out_dir}", file=sys.stderr)
+        return 1
+    tuned = {k: row_cells(r) for k, r in runs.items() if k[0] in WORKLOADS}
+    held = {k: row_cells(r) for k, r in runs.items() if k[0] in REPORT_ONLY}
+    print(markdown(tuned, "workload"))
+    if held:
+        print("\nReport-only (nothing tuned on it):\n")
+        print(markdown(held, "trace"))
+    print("\n" + wall_times(runs))
+    if a.json:
+        first = next(iter(runs.values()))
+        result = {
+            "question": "goodput per device (req/s per V100: the highest arrival rate at which >= 90% of requests "
+                        "meet every SLO of the corner, over 4 devices) at paper scale",
+            "about": {"command": "scripts/goodput_paper.sh OUT && python scripts/goodput_table.py OUT "
+                                 f"--json {a.json}" + (f" --plots {a.plots}" if a.plots else ""),
+                      "runs": sorted({(r["about"]["commit"], r["about"]["date"][:10], r["about"]["machine"])
+                                      for r in runs.values()})},
+            "device": "sim:opt-13b-v100-32gb", "devices_per_system": 4, "target": first["search"]["target"],
+            "corners": {c: runs[k]["slo"]["terms"] for k in runs for c in [k[1]]},
+            "workloads": {w: {"source": r["trace"]["source"], "num_requests": r["trace"]["num_requests"],
+                              "tuned_on": w in WORKLOADS} for (w, _), r in runs.items()},
+            "cells": [{"workload": w, "corner": c, **v} for (w, c), cells in {**tuned, **held}.items()
+                      for v in cells.values()],
+            "curves": {w: {c: {n: s["points"] for n, s in runs[(w, c)]["systems"].items()}
+                           for c in CORNERS if (w, c) in runs} for w in CURVES},
+        }
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(result, indent=1))
+        print(f"\nwrote {a.json}")
+    if a.plots:
+        for w in CURVES:
+            if any((w, c) in runs for c in CORNERS):
+                print(f"wrote {plot_curves(runs, w, Path(a.plots) / f'goodput_{w}.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
