@@ -142,13 +142,8 @@ def main(argv=None) -> int:
     print("\n" + wall_times(runs))
     if a.json:
         first = next(iter(runs.values()))
-        result = {
-            "question": "goodput per device (req/s per V100: the highest arrival rate at which >= 90% of requests "
-                        "meet every SLO of the corner, over 4 devices) at paper scale",
-            "about": {"command": "scripts/goodput_paper.sh OUT && python scripts/goodput_table.py OUT "
-                                 f"--json {a.json}" + (f" --plots {a.plots}" if a.plots else ""),
-                      "runs": sorted({(r["about"]["commit"], r["about"]["date"][:10], r["about"]["machine"])
-                                      for r in runs.values()})},
+        abouts = sorted({(r["about"]["commit"], r["about"]["date"][:10], r["about"]["machine"]) for r in runs.values()})
+        data = {
             "device": "sim:opt-13b-v100-32gb", "devices_per_system": 4, "target": first["search"]["target"],
             "corners": {c: runs[k]["slo"]["terms"] for k in runs for c in [k[1]]},
             "workloads": {w: {"source": r["trace"]["source"], "num_requests": r["trace"]["num_requests"],
@@ -158,8 +153,21 @@ def main(argv=None) -> int:
             "curves": {w: {c: {n: s["points"] for n, s in runs[(w, c)]["systems"].items()}
                            for c in CORNERS if (w, c) in runs} for w in CURVES},
         }
+        result = {"meta": {
+            "order": 30, "kind": "goodput", "title": "Goodput under SLOs at paper scale",
+            "question": "At which arrival rate does each design still serve 90% of requests within every SLO "
+                        "(four V100s, OPT-13B, simulated), on each workload and SLO corner?",
+            "machine": "; ".join(sorted({m for _, _, m in abouts})),
+            "commit": ", ".join(sorted({c for c, _, _ in abouts})),
+            "date": ", ".join(sorted({d for _, d, _ in abouts})),
+            "command": "scripts/goodput_paper.sh OUT && python scripts/goodput_table.py OUT "
+                       f"--json {a.json}" + (f" --plots {a.plots}" if a.plots else ""),
+            "wall_time": f"{sum(s['wall_s'] for r in runs.values() for s in r['systems'].values()) / 60:.0f} min "
+                         f"({len(runs)} searches of {len(first['systems'])} systems each, virtual time)",
+            "notes": "docs/notes/goodput.md", "source": "Paper scale: four V100s, every workload and corner"},
+            "data": data}
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=1))
+        Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
         print(f"\nwrote {a.json}")
     if a.plots:
         for w in CURVES:
