@@ -23,7 +23,11 @@ class EngineConfig:
     kernels: str = "auto"
     block_size: int = 16
     kv_cache_gb: float = 1.0
-    max_num_batched_tokens: int = 512
+    # None: measured at start-up (aserve/devices/measured.py): vllm the context window, else the
+    # Sarathi-Serve budget for tbt_slo at budget_context
+    max_num_batched_tokens: Optional[int] = 512
+    tbt_slo: Optional[float] = None  # seconds a step may take, the measured budget's SLO (None: 5x a decode step)
+    budget_context: Optional[int] = None  # context the measured budget holds its SLO at (None: the model's)
     max_num_seqs: int = 256
     batching: str = "sarathi"  # coupled policy: sarathi | vllm | alise
     swap_gb: float = 0.25  # host swap space for preempted KV (alise, decode swap)
@@ -52,8 +56,10 @@ class EngineConfig:
             raise ValueError(f"bad swap_dtype {self.swap_dtype!r}: choose one of {', '.join(SWAP_DTYPES)}")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+        if (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1) or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.tbt_slo is not None and not self.tbt_slo > 0:
+            raise ValueError(f"--tbt-slo must be > 0 seconds, got {self.tbt_slo}")
         if not (self.device == "cpu" or self.device.startswith("cuda") or self.device.startswith("sim:")):
             raise ValueError(f"bad device {self.device!r}: cpu, cuda[:i] or sim:PROFILE")
 
@@ -75,7 +81,7 @@ class ClusterConfig:
     # prefill instances
     prefill_policy: str = "fcfs"  # fcfs | sjf | ljf
     prefill_sched_batch: int = 16
-    chunk_size: int = 512
+    chunk_size: Optional[int] = 512  # None: the measured saturate chunk (aserve/devices/measured.py)
     pad: bool = True
     # dispatch and decode instances
     dispatch: str = "interference"
@@ -112,10 +118,11 @@ class ClusterConfig:
     flip_dwell_s: float = 0.0  # ratio: an instance keeps a role at least this long (0: the window)
     flip_cooldown_s: float = 0.0  # ratio: seconds between two flips anywhere (0: the window)
     flip_migrate: bool = True  # adaptive: a decode instance turning prefill moves its decodes out by KV
-    # adaptive mode's placement (scheduling/placement.py): step costs from the measured device
-    placement_step_s: float = 0.01  # fixed seconds of a step
-    placement_prefill_token_s: float = 1e-3  # seconds a prompt token adds to a step
-    placement_decode_row_s: float = 1e-3  # seconds a decode row adds to a step
+    # adaptive mode's placement (scheduling/placement.py): step costs, None: from the measured device
+    # at start-up (aserve/devices/measured.py)
+    placement_step_s: Optional[float] = 0.01  # fixed seconds of a step
+    placement_prefill_token_s: Optional[float] = 1e-3  # seconds a prompt token adds to a step
+    placement_decode_row_s: Optional[float] = 1e-3  # seconds a decode row adds to a step
     interference: float = 0.2  # weight of running decodes' slowdown against a prompt's wait
     keep_margin: Optional[int] = None  # None: keep unless a hand-over pays (priced); N: unless it decodes N more
     prompt_first: bool = False  # adaptive: prompts that end within the budget run in a step of their own
@@ -151,7 +158,7 @@ class ClusterConfig:
                 raise ValueError(f"bad {what} {value!r}: choose one of {', '.join(registry.names(kind))}")
         if self.preemption not in ("recompute", "swap"):
             raise ValueError(f"bad preemption {self.preemption!r}: recompute or swap")
-        if self.chunk_size < 1 or self.prefill_sched_batch < 1:
+        if (self.chunk_size is not None and self.chunk_size < 1) or self.prefill_sched_batch < 1:
             raise ValueError("chunk_size and prefill_sched_batch must be >= 1")
         self._check_predictor()
         if self.monitor_interval_s <= 0:
@@ -166,6 +173,8 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("flip_band", "flip_dwell_s", "flip_cooldown_s", "placement_step_s", "placement_prefill_token_s",
                      "placement_decode_row_s", "interference"):
+            if getattr(self, name) is None and name.startswith("placement_"):
+                continue  # measured at start-up
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.device_share not in ("shared", "dedicated"):

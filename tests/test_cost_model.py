@@ -74,9 +74,12 @@ def test_profile_cache_is_per_machine(tmp_path):
 
 
 def test_command_line_defaults_come_from_the_profile(tmp_path):
+    """The flags leave the measured defaults unset, and one start-up step (``measured.resolve``,
+    which ``Cluster`` runs too) fills them in from the saved profile; resolving twice changes nothing."""
     from aserve.profiles.device_profile import PROFILE_VERSION, machine
     from aserve.commands import build_parser
-    from aserve.commands.common import BUDGET_DECODE_BATCH, cluster_config, engine_config, model_context
+    from aserve.commands.common import cluster_config, engine_and_cluster, engine_config
+    from aserve.devices.measured import BUDGET_DECODE_BATCH, model_context, resolve
     from aserve.profiles.profile_store import save_cost_model, save_token_budget
 
     cache = str(tmp_path)
@@ -88,19 +91,26 @@ def test_command_line_defaults_come_from_the_profile(tmp_path):
         return build_parser().parse_args(["replay", "t.jsonl", "--cache-dir", cache, "--threads", "2",
                                           "--mode", "coupled", "--instances", "2", *flags])
 
+    def budget(a, context=None):
+        return engine_and_cluster(a, context)[0].max_num_batched_tokens
+
     a = args()
+    assert engine_config(a).max_num_batched_tokens is None and cluster_config(a).chunk_size is None  # unset: no profiling
     want = mine.token_budget(mine.decode_slo_s(BUDGET_DECODE_BATCH, 1000), BUDGET_DECODE_BATCH, 1000)
-    assert engine_config(a, context=1000).max_num_batched_tokens == want
-    assert engine_config(args("--tbt-slo", "0.2"), context=1000).max_num_batched_tokens == \
-        mine.token_budget(0.2, BUDGET_DECODE_BATCH, 1000)
+    assert budget(a, context=1000) == want
+    assert budget(args("--tbt-slo", "0.2"), context=1000) == mine.token_budget(0.2, BUDGET_DECODE_BATCH, 1000)
     # vllm's budget is the model's context length (read from the model's config, default cache)
-    assert engine_config(build_parser().parse_args(["generate", "x", "--batching", "vllm"])).max_num_batched_tokens \
-        == model_context(build_parser().parse_args(["generate", "x"])) == 8192
-    assert engine_config(args("--max-num-batched-tokens", "100")).max_num_batched_tokens == 100
-    assert cluster_config(args()).chunk_size == mine.saturate_chunk()
-    assert cluster_config(args("--chunk-size", "48")).chunk_size == 48
+    vllm = engine_config(build_parser().parse_args(["generate", "x", "--batching", "vllm"]))
+    assert resolve(vllm)[0].max_num_batched_tokens == model_context(vllm) == 8192
+    assert budget(args("--max-num-batched-tokens", "100")) == 100
+    engine, cluster = engine_and_cluster(args())
+    assert cluster.chunk_size == mine.saturate_chunk() and resolve(engine, cluster) == (engine, cluster)
+    assert engine_and_cluster(args("--chunk-size", "48"))[1].chunk_size == 48
+    adaptive = engine_and_cluster(args("--mode", "adaptive", "--prefill", "1", "--decode", "1"))[1]
+    assert adaptive.placement_step_s == mine.linear(1) and adaptive.placement_decode_row_s > 0
+    assert cluster.placement_step_s == 0.01  # other modes never read them: the fixed defaults
     save_token_budget(cache, "default", "cpu", "auto", 1, 384)  # what 'profile token-budget' saved wins
-    assert engine_config(args()).max_num_batched_tokens == 384
+    assert budget(args()) == 384
     with pytest.raises(ValueError, match="--tbt-slo must be > 0"):
         engine_config(args("--tbt-slo", "0"))
 

@@ -40,6 +40,7 @@ from aserve.config import ClusterConfig, EngineConfig
 from aserve.engine.bundle import ModelBundle
 from aserve.devices.device import CoreShare, Device
 from aserve.devices.factory import DeviceFactory, load_bundle
+from aserve.devices.measured import resolve
 from aserve.engine.instance import Instance, StepReport
 from aserve.engine.policies import Policies
 from aserve.engine.stops import StopChecker
@@ -54,6 +55,7 @@ from scheduling.step import TokenLogprobs
 class Cluster:
     def __init__(self, engine: EngineConfig, cfg: ClusterConfig, bundle: Optional[ModelBundle] = None,
                  clock: Optional[Clock] = None):
+        engine, cfg = resolve(engine, cfg)  # measured defaults left unset: filled in now, once
         self.engine, self.cfg = engine, cfg
         self.clock = clock or MonotonicClock()
         self.bundle = bundle

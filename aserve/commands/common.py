@@ -1,24 +1,17 @@
 """The engine and cluster flags every serving command shares, and the frozen configs they make.
 
 Configs are built here, once, from the parsed flags, then passed down; nothing below reads flags
-or the environment. Settings that depend on the hardware and are left to their default come from
-this machine's measured engine (``aserve profile device``; measured on first need and cached):
-
-- ``--chunk-size``: the profile's saturate chunk (TetriInfer's ChunkSize, at the instances' threads);
-- ``--max-num-batched-tokens`` with sarathi or alise batching: the largest budget whose hybrid
-  iteration (32 decodes plus a chunk, at the longest context the workload reaches) meets the TBT
-  SLO (``--tbt-slo``; default Sarathi-Serve's strict SLO, 5x that decode-only iteration), unless
-  ``aserve profile token-budget`` saved one; with vllm batching: the model's context length
-  (vLLM's own budget without chunked prefill).
+or the environment. A hardware-dependent setting left to its default (``--chunk-size``,
+``--max-num-batched-tokens``, ``--placement-costs``) stays unset (None) here, and is measured in
+one start-up step, ``aserve/devices/measured.resolve`` (which ``Cluster`` runs, and
+``engine_and_cluster`` for a command that prints the settings first); the module doc says how.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Optional
 
-BUDGET_DECODE_BATCH = 32  # running decodes the Sarathi token budget is sized for
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -165,12 +158,23 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                         "(cores/N of a core each, an idle instance's share is lost), as on GPUs")
 
 
+def engine_and_cluster(a: argparse.Namespace, context: Optional[int] = None):
+    """The command line's engine and cluster, with the measured defaults resolved in one start-up
+    step (aserve/devices/measured.py; the device's profile is measured here if never before)."""
+    from aserve.devices.measured import resolve
+
+    return resolve(engine_config(a, context), cluster_config(a))
+
+
 def instance_threads(a: argparse.Namespace) -> int:
-    """Torch threads each instance gets: the cores shared evenly (as ``Cluster`` shares them)."""
-    cores = a.threads or os.cpu_count() or 1
+    """Torch threads each instance of ``a``'s cluster gets (aserve/devices/measured.py)."""
+    from aserve.config import EngineConfig
+    from aserve.devices.measured import instance_threads as threads
+
     mode = getattr(a, "mode", "offline")
-    num = 1 if mode == "offline" else (a.prefill + a.decode if mode in ("disagg", "adaptive") else a.instances)
-    return max(1, cores // max(1, num))
+    cluster = None if mode == "offline" else argparse.Namespace(
+        split=mode in ("disagg", "adaptive"), num_prefill=a.prefill, num_decode=a.decode, num_coupled=a.instances)
+    return threads(EngineConfig(num_threads=a.threads or 0), cluster)
 
 
 def bundle_engine(a: argparse.Namespace):
@@ -179,37 +183,6 @@ def bundle_engine(a: argparse.Namespace):
 
     return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention,
                         block_size=a.block_size, cache_dir=a.cache_dir)
-
-
-def measured_engine(a: argparse.Namespace):
-    """The device's cost model at the instances' threads: this machine's measured engine
-    (measured now if never before), or a simulated device's profile."""
-    from aserve.devices.factory import device_cost
-
-    return device_cost(bundle_engine(a), instance_threads(a))
-
-
-def model_context(a: argparse.Namespace) -> int:
-    """The (served or simulated) model's context window, from its config (no weights loaded)."""
-    from aserve.devices.factory import model_args
-
-    return model_args(bundle_engine(a)).max_position
-
-
-def default_token_budget(a: argparse.Namespace, context: Optional[int] = None) -> int:
-    """``--max-num-batched-tokens`` left to its default (the module doc)."""
-    if a.batching == "vllm":
-        return model_context(a)
-    from aserve.profiles.profile_store import token_budget
-
-    threads = instance_threads(a)
-    saved = token_budget(a.cache_dir, a.model, a.device, a.dtype, threads)
-    if saved:
-        return saved
-    cost = measured_engine(a)
-    context = context or model_context(a)
-    slo = a.tbt_slo or cost.decode_slo_s(BUDGET_DECODE_BATCH, context)
-    return cost.token_budget(slo, BUDGET_DECODE_BATCH, context)
 
 
 def keep_margin_arg(text: str) -> Optional[int]:
@@ -234,18 +207,9 @@ def placement_costs_arg(text: str) -> tuple[float, float, float]:
 
 
 def placement_costs(a: argparse.Namespace) -> dict:
-    """Adaptive mode's step costs (scheduling/placement.py): ``--placement-costs`` if given, else
-    from the measured engine: a step's fixed time, a prompt token's and a decode row's (32 rows at
-    512 tokens of context)."""
-    if a.mode != "adaptive":
-        return {}
-    if a.placement_costs is not None:
-        step, token, row = a.placement_costs
-        return {"placement_step_s": step, "placement_prefill_token_s": token, "placement_decode_row_s": row}
-    cost = measured_engine(a)
-    fixed = cost.linear(1)
-    return {"placement_step_s": fixed, "placement_prefill_token_s": max(0.0, cost.prefill_s(256) - fixed) / 256,
-            "placement_decode_row_s": max(0.0, cost.decode_s(32, 512) - cost.decode_s(1, 512)) / 31}
+    """``--placement-costs`` as the three config fields; unset, None each: measured at start-up."""
+    step, token, row = a.placement_costs if a.placement_costs is not None else (None, None, None)
+    return {"placement_step_s": step, "placement_prefill_token_s": token, "placement_decode_row_s": row}
 
 
 def cluster_config(a: argparse.Namespace):
@@ -255,10 +219,9 @@ def cluster_config(a: argparse.Namespace):
 
     options = parse_options(a.predictor_option, "predictor-option")  # a bad flag errs before any profiling
     predictor, options, _ = default_predictor(a, options)  # --predictor, else serve's (a sim's: set accuracy)
-    chunk = a.chunk_size or measured_engine(a).saturate_chunk()
     return ClusterConfig(mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, num_coupled=a.instances,
                          prefill_policy=a.prefill_policy, prefill_sched_batch=a.prefill_sched_batch,
-                         chunk_size=chunk, pad=a.pad and not a.no_pad, dispatch=a.dispatch, decode_policy=a.decode_policy,
+                         chunk_size=a.chunk_size, pad=a.pad and not a.no_pad, dispatch=a.dispatch, decode_policy=a.decode_policy,
                          preemption=a.preemption, predictor=predictor, predictor_granularity=a.predictor_granularity,
                          predictor_mode=a.predictor_mode, predictor_timeout_s=a.predictor_timeout,
                          predictor_cover=a.predictor_cover, predictor_features=a.predictor_features,
@@ -280,20 +243,20 @@ def cluster_config(a: argparse.Namespace):
 
 
 def engine_config(a: argparse.Namespace, context: Optional[int] = None, derive: bool = True):
-    """``context``: the longest prompt + output the workload reaches (replays know it), which the
-    derived token budget must hold its SLO at; default the model's context window. ``derive=False``
-    (the engine benchmarks, which time fixed shapes) leaves an unset budget at 512 unmeasured."""
+    """The command line's engine; an unset token budget is left to be measured at start-up
+    (``context``: the longest prompt + output the workload reaches, which replays know; the budget
+    holds its SLO there, default the model's context window). ``derive=False`` (the engine
+    benchmarks, which time fixed shapes) leaves an unset budget at 512 unmeasured."""
     from aserve.config import EngineConfig
     from aserve.profiles.profile_store import DEFAULT_TOKEN_BUDGET
 
-    if a.tbt_slo is not None and not a.tbt_slo > 0:
-        raise ValueError(f"--tbt-slo must be > 0 seconds, got {a.tbt_slo}")
     budget = a.max_num_batched_tokens
-    if budget is None:
-        budget = default_token_budget(a, context) if derive else DEFAULT_TOKEN_BUDGET
+    if budget is None and not derive:
+        budget = DEFAULT_TOKEN_BUDGET
     return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention, kernels=a.kernels,
                         block_size=a.block_size,
-                        kv_cache_gb=a.kv_cache_gb, max_num_batched_tokens=budget,
+                        kv_cache_gb=a.kv_cache_gb, max_num_batched_tokens=budget, tbt_slo=a.tbt_slo,
+                        budget_context=context,
                         max_num_seqs=a.max_num_seqs, batching=a.batching, swap_gb=a.swap_gb,
                         swap_dtype=a.swap_dtype, num_threads=a.threads, enforce_eager=a.enforce_eager,
                         cache_dir=a.cache_dir, seed=a.seed)

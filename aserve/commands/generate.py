@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config, engine_config, sampling_from
+from aserve.commands.common import add_cluster_args, add_engine_args, engine_and_cluster, engine_config, sampling_from
+from aserve.devices.measured import resolve
 
 
 def register(subparsers) -> None:
@@ -36,7 +37,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             raise ValueError("--chat without a prompt is interactive: use --mode offline")
         print(_generate_cluster(a, sp))
         return 0
-    llm = LLM(engine_config(a))
+    llm = LLM(resolve(engine_config(a))[0])
     if a.prompt is not None:
         out = llm.generate([a.prompt], sp, chat=a.chat)[0]
         print(out.text)
@@ -50,7 +51,7 @@ def _generate_cluster(a: argparse.Namespace, sp) -> str:
     from aserve.event_loop import run as run_loop
 
     async def run() -> str:
-        async with Cluster(engine_config(a), cluster_config(a)) as cluster:
+        async with Cluster(*engine_and_cluster(a)) as cluster:
             ids = cluster.bundle.encode(a.prompt, a.chat)
             req = await cluster.generate(ids, sp)
             return cluster.stops.text(req)

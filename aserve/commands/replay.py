@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from aserve.commands.common import add_cluster_args, add_engine_args, bundle_engine, cluster_config, engine_config
+from aserve.commands.common import add_cluster_args, add_engine_args, bundle_engine, engine_and_cluster
 from aserve.commands.slo_args import add_slo_args, slo_from_args
 from aserve.event_loop import run as run_loop
 
@@ -46,7 +46,7 @@ def build_specs(items: list, context: Optional[int] = None) -> list:
 
     specs = []
     for name, ns in items:
-        engine, cluster = engine_config(ns, context), cluster_config(ns)
+        engine, cluster = engine_and_cluster(ns, context)
         specs.append(SystemSpec(name or default_name(engine, cluster), engine, cluster))
     return specs
 

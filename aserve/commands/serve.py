@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import Optional
 
-from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config, engine_config, parse_options
+from aserve.commands.common import add_cluster_args, add_engine_args, engine_and_cluster, parse_options
 from aserve.commands.serve_predictor import serve_predictor
 from aserve.event_loop import run as run_loop
 
@@ -132,7 +132,7 @@ def startup_notes(settings, host: str) -> list[str]:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     a.predictor, why = serve_predictor(a, parse_options(a.predictor_option, "predictor-option"))
-    engine, cluster_cfg, settings = engine_config(a), cluster_config(a), server_settings(a)
+    (engine, cluster_cfg), settings = engine_and_cluster(a), server_settings(a)
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
     num = cluster_cfg.num_prefill + cluster_cfg.num_decode if cluster_cfg.split else cluster_cfg.num_coupled

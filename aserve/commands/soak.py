@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config, engine_config
+from aserve.commands.common import add_cluster_args, add_engine_args, engine_and_cluster
 from aserve.commands.replay import add_fit_args, fit_options
 from aserve.event_loop import run as run_loop
 
@@ -66,7 +66,7 @@ def cmd_soak(a: argparse.Namespace) -> int:
     from aserve.soak.report import print_summary, write_plot
     from aserve.soak.run import soak
 
-    engine, cluster, cfg = engine_config(a), cluster_config(a), soak_config(a)
+    (engine, cluster), cfg = engine_and_cluster(a), soak_config(a)
     spec = SystemSpec(a.name or default_name(engine, cluster), engine, cluster)
     bundle = ModelBundle.load(engine)
     builder = PromptBuilder(bundle.tokenizer, Path(a.prompts) if a.prompts else None, a.seed)

@@ -1,0 +1,112 @@
+"""Measured defaults, resolved in one start-up step.
+
+Three settings default to what the device measures rather than to a fixed number; a config leaves
+them ``None`` ("measure") and ``resolve`` fills them in, once, before anything starts:
+
+- ``ClusterConfig.chunk_size``: the profile's saturate chunk (TetriInfer's ChunkSize), at the
+  instances' threads;
+- ``EngineConfig.max_num_batched_tokens``: with vllm batching the model's context window; else the
+  budget ``aserve profile token-budget`` saved, else Sarathi-Serve's rule on the measured costs: the
+  most tokens a step may hold while a step of ``BUDGET_DECODE_BATCH`` decodes at
+  ``EngineConfig.budget_context`` (default the model's context window) stays within
+  ``EngineConfig.tbt_slo`` (default 5x that decode-only step);
+- ``ClusterConfig.placement_*_s`` (adaptive placement's step costs): a step's fixed time, a prompt
+  token's and a decode row's (32 rows at 512 tokens of context); other modes keep the fixed defaults,
+  which they never read.
+
+The cost model is this machine's measured engine (``aserve profile device``, measured on first need
+and cached) or a ``sim:`` profile, at the threads each instance gets (every core, or
+``num_threads``, shared evenly over the instances). ``Cluster`` calls ``resolve`` itself; a command
+that prints the settings before it starts one calls it first (resolving twice changes nothing).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+from aserve.config import ClusterConfig, EngineConfig
+
+BUDGET_DECODE_BATCH = 32  # running decodes the Sarathi token budget is sized for
+PLACEMENT_FIELDS = ("placement_step_s", "placement_prefill_token_s", "placement_decode_row_s")
+_FIXED = ClusterConfig()  # the fixed defaults of the placement costs, for modes that never read them
+
+
+def instance_threads(engine: EngineConfig, cluster: Optional[ClusterConfig]) -> int:
+    """Torch threads each instance gets: the cores (``num_threads``, else every core) shared evenly."""
+    cores = engine.num_threads or os.cpu_count() or 1
+    num = 1 if cluster is None else (cluster.num_prefill + cluster.num_decode if cluster.split else cluster.num_coupled)
+    return max(1, cores // max(1, num))
+
+
+def model_engine(engine: EngineConfig) -> EngineConfig:
+    """The engine fields that decide the model (and what a profile measures), nothing derived."""
+    return EngineConfig(model=engine.model, dtype=engine.dtype, device=engine.device, attention=engine.attention,
+                        block_size=engine.block_size, cache_dir=engine.cache_dir)
+
+
+def measured_cost(engine: EngineConfig, threads: int):
+    """The device's cost model at ``threads``: this machine's measured engine (measured now if
+    never before), or a simulated device's profile."""
+    from aserve.devices.factory import device_cost
+
+    return device_cost(model_engine(engine), threads)
+
+
+def model_context(engine: EngineConfig) -> int:
+    """The (served or simulated) model's context window, from its config (no weights loaded)."""
+    from aserve.devices.factory import model_args
+
+    return model_args(model_engine(engine)).max_position
+
+
+def needs_measuring(engine: EngineConfig, cluster: Optional[ClusterConfig] = None) -> bool:
+    return engine.max_num_batched_tokens is None or (cluster is not None and (
+        cluster.chunk_size is None or any(getattr(cluster, f) is None for f in PLACEMENT_FIELDS)))
+
+
+def resolve(engine: EngineConfig, cluster: Optional[ClusterConfig] = None
+            ) -> tuple[EngineConfig, Optional[ClusterConfig]]:
+    """``engine`` and ``cluster`` with every setting left to be measured filled in (the module doc)."""
+    if not needs_measuring(engine, cluster):
+        return engine, cluster
+    threads = instance_threads(engine, cluster)
+    costs = []  # measured (or loaded) once, on first need
+
+    def cost():
+        if not costs:
+            costs.append(measured_cost(engine, threads))
+        return costs[0]
+
+    if engine.max_num_batched_tokens is None:
+        engine = dataclasses.replace(engine, max_num_batched_tokens=_token_budget(engine, threads, cost))
+    if cluster is not None:
+        changes = {}
+        if cluster.chunk_size is None:
+            changes["chunk_size"] = cost().saturate_chunk()
+        if any(getattr(cluster, f) is None for f in PLACEMENT_FIELDS):
+            measured = _placement_costs(cost()) if cluster.mode == "adaptive" else {
+                f: getattr(_FIXED, f) for f in PLACEMENT_FIELDS}
+            changes.update({f: v for f, v in measured.items() if getattr(cluster, f) is None})
+        cluster = dataclasses.replace(cluster, **changes)
+    return engine, cluster
+
+
+def _token_budget(engine: EngineConfig, threads: int, cost) -> int:
+    if engine.batching == "vllm":
+        return model_context(engine)
+    from aserve.profiles.profile_store import token_budget
+
+    saved = token_budget(engine.cache_dir, engine.model, engine.device, engine.dtype, threads)
+    if saved:
+        return saved
+    c = cost()
+    context = engine.budget_context or model_context(engine)
+    slo = engine.tbt_slo or c.decode_slo_s(BUDGET_DECODE_BATCH, context)
+    return c.token_budget(slo, BUDGET_DECODE_BATCH, context)
+
+
+def _placement_costs(cost) -> dict:
+    fixed = cost.linear(1)
+    return {"placement_step_s": fixed, "placement_prefill_token_s": max(0.0, cost.prefill_s(256) - fixed) / 256,
+            "placement_decode_row_s": max(0.0, cost.decode_s(32, 512) - cost.decode_s(1, 512)) / 31}
