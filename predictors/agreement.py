@@ -2,7 +2,7 @@
 
 A label is one greedy run of the served model, and greedy decoding is deterministic only for
 a fixed arithmetic. On the CPU path our engine gave each prompt the same length whatever it
-was batched with (docs/BENCHMARKS.md), but another build of the kernels, another dtype or
+was batched with (docs/notes/predictors.md), but another build of the kernels, another dtype or
 another device rounds differently, and an
 answer that hovers between stopping and repeating itself can go either way. Labelling the same
 prompts again under other arithmetic (``aserve label --split test --limit 768 ...`` today

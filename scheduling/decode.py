@@ -326,7 +326,7 @@ def live_max_output(request: Request) -> int:
 
     Holding an overrun request to its spent prediction would leave it one step to go for as long
     as it runs: reserve-dynamic's shortest job would be one step away, so the instance would admit
-    as greedily as ``greedy`` until that request ends. Measured (docs/BENCHMARKS.md, issue 25):
+    as greedily as ``greedy`` until that request ends. Measured (docs/notes/predictors.md, issue 25):
     held to the spent bound, the backends kept 122-181 of greedy's ~186 preemptions a replay where
     the oracle, never overrun, kept 11-26; held to ``max_tokens``, 13-50, and the best backend's
     share of the oracle's JCT gain went from 21-29% to 113%.

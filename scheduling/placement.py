@@ -49,7 +49,7 @@ OPT-13B (a row ~3% of a step) it takes twenty.
 
 The default ``interference`` 0.2 comes from real pairs against sarathi on all six workloads (the
 five synthetic ones and the Azure conversation trace: the tuning set; the Azure code trace is
-only reported on, docs/notes/goodput.md) and a sweep at sarathi's own minutes on ``sim:`` (docs/BENCHMARKS.md, "The other four workloads at
+only reported on, docs/notes/goodput.md) and a sweep at sarathi's own minutes on ``sim:`` (docs/notes/adaptive.md, "The other four workloads at
 ``--interference 0.2``"): 0.3, the default before, missed sarathi's P99 token gap by 3-4% on three
 workloads and its TTFT at Azure's knee; a weight of 1 kept heavy prompts off the decode instance
 at the price of TTFT (HPLD 3.9 s against coupled 2.6 s), 0 cost JCT.

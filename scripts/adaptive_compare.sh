@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 24's comparison: adaptive against tetri, vllm and sarathi on the same hardware, every
-# workload, one system after another (docs/BENCHMARKS.md, "Adaptive roles"). Then the criteria
+# workload, one system after another (docs/notes/adaptive.md, "Adaptive roles"). Then the criteria
 # table (scripts/adaptive_table.py) and the Shift trace with ratio flips.
 #
 #   scripts/adaptive_compare.sh [OUT_DIR]                       # real CPU: 2 instances, 1 thread each

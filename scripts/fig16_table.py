@@ -5,7 +5,7 @@
 
 DIR holds one report per workload, `fig16_{LPLD,LPHD,HPLD,HPHD,Mixed}.json`, each with the
 systems `ts-roce`, `ts-nvlink`, `vllm-1gpu`, `vllm-2gpu`, `sarathi-2gpu` (the commands are in
-docs/BENCHMARKS.md, "Figure 16 at paper scale"). Prints one markdown table: every system's mean
+docs/notes/simulator.md, "Figure 16 at paper scale"). Prints one markdown table: every system's mean
 TTFT, mean JCT, busy seconds (the paper's resource usage), perf/$ against vLLM on one GPU, P99
 token gap and preemptions, then TS-RoCE against vLLM on one GPU beside the paper's §5.1 figures.
 """

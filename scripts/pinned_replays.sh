@@ -2,7 +2,7 @@
 # Issue 24's real rows on a machine with many cores: the systems of a workload replayed at the
 # same time, each in its own process pinned (taskset) to its own two cores, one torch thread per
 # instance, so every system of a workload runs in the same minutes of the same machine (on a shared
-# VM, one system after another meets the machine's drift: docs/BENCHMARKS.md, the LPLD study).
+# VM, one system after another meets the machine's drift: docs/notes/adaptive.md, the LPLD study).
 #
 #   scripts/pinned_replays.sh OUT_DIR SECONDS LANE...
 #     LANE = WORKLOADS[:SYSTEMS]    e.g. HPHD   LPLD,HPLD   LPLD,HPLD:adaptive,vllm

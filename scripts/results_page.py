@@ -5,7 +5,7 @@ before their command wrote JSON, as the notebook recorded them) plus a ``meta`` 
 
     {"meta": {"order": 30, "kind": "...", "title": "...", "question": "...", "machine": "...", "commit": "...",
               "date": "...", "command": "...", "wall_time": "...", "notes": "docs/notes/...",
-              "source": "the heading of the run in the notes"},
+              "source": "the heading of the run in the notes (a list of headings when it draws on several)"},
      "data": {...}}
 
 A section is rendered by the function named after the file's ``kind`` (``meta.kind``), which reads
@@ -483,8 +483,9 @@ def section(path: Path, plots: Path = PLOTS) -> tuple[int, str]:
                          f"(known: {', '.join(sorted(RENDERERS))})")
     tab, plot, reading = RENDERERS[kind](data, lambda draw: _plot(path.stem, draw, plots))
     more = f"[{meta['notes']}]({Path(meta['notes']).relative_to('docs')})" if meta.get("notes") else ""
-    if meta.get("source"):
-        more += f", \"{meta['source']}\""
+    if meta.get("source"):  # one heading, or a list when a section draws on several runs
+        heads = [meta["source"]] if isinstance(meta["source"], str) else meta["source"]
+        more += "".join(f", \"{h}\"" for h in heads)
     lines = [f"## {meta['title']}", "", f"*{meta['question']}*", "", reading, "", tab, "", plot, "",
              f"Machine: {meta['machine']}. Commit {meta['commit']}, {meta['date']}. Wall time: {meta['wall_time']}."
              + (f" More: {more}." if more else ""), "", "```sh", meta["command"], "```"]

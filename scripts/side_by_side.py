@@ -5,7 +5,7 @@
 
 Works on `aserve replay --json` reports (every system, latency means and tails, busy time, perf/$)
 and on `aserve bench engine --json` reports (the throughputs and ratios it prints). Prints a
-markdown table for docs/BENCHMARKS.md; `--limit P` marks every cell whose difference is over
+markdown table for the notes (docs/notes/); `--limit P` marks every cell whose difference is over
 P percent with `!`, so a refactor's before/after or a simulation's error against a real run is
 read at a glance. Reports from before TPOT and token gaps were told apart name the per-request
 mean `tbt`; it is read as `tpot`. Many workloads' real-against-simulated errors in one table, with

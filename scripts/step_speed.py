@@ -3,7 +3,7 @@
 
 A shared 2-core VM does not run at one speed: the same system replayed twice in one session
 differed by 18% in mean JCT, and at saturation every request's latency multiplies the step time
-(docs/BENCHMARKS.md, "The AVX2 machine"). This fits one linear model to every decode-only step of
+(docs/notes/simulator.md, "The AVX2 machine"). This fits one linear model to every decode-only step of
 the given logs (a fixed cost, a row's, a token of context's, the neighbour's overlap) and prints,
 per system, the median of measured / fitted: 1.00 is the logs' average speed, 1.10 a run whose
 steps took 10% longer than the same shapes took on average. Put it beside any real comparison.

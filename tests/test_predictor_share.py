@@ -14,7 +14,7 @@ def test_share_arithmetic():
     assert share(10.0, 8.0, 6.0) == 0.5  # half the oracle's 4 s
     assert share(10.0, 6.0, 6.0) == 1.0 and share(10.0, 10.0, 6.0) == 0.0
     assert share(10.0, 12.0, 6.0) == -0.5  # worse than not predicting
-    assert share(10.0, 5.0, 6.0) == 1.25  # better than the oracle (it happens: docs/BENCHMARKS.md)
+    assert share(10.0, 5.0, 6.0) == 1.25  # better than the oracle (it happens: docs/notes/predictors.md)
     assert share(10.0, 8.0, 10.0) is None and share(10.0, 8.0, 11.0) is None  # the oracle gained nothing
 
 

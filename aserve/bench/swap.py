@@ -13,7 +13,7 @@ Three figures, each side by side for ``swap_dtype`` same vs int8, on one model a
   difference, the largest |logit| for scale, and whether the argmax (the greedy token) agrees.
 
 The agreement depends on the schedule: the more often jobs go through the round trip, the
-more near-tied greedy choices can flip (docs/BENCHMARKS.md has runs with more and fewer swaps).
+more near-tied greedy choices can flip (docs/notes/engine.md has runs with more and fewer swaps).
 """
 from __future__ import annotations
 

@@ -398,7 +398,7 @@ class Cluster:
         placement evens the load with each new prompt, and moves cost: decodes on a prefill
         instance ride beside the next prompts' chunks, and a batch split in two pays the step's
         fixed cost twice (at paper scale on Mixed, moves at any time: P99 token gap +26%, busy +3%;
-        docs/BENCHMARKS.md, "Shift trace")."""
+        docs/notes/adaptive.md, "Shift trace")."""
         self._moving = {rid: m for rid, m in self._moving.items()
                         if rid in self.requests and self.requests[rid].epoch == m[1]}
         if self._moving or self._migrating or self.clock.now() - self._last_arrival < self.cfg.rebalance_quiet_s:

@@ -20,7 +20,7 @@ from pathlib import Path
 from aserve.replay.share import POLICIES, ShareStudy
 
 CLI = Path(__file__).resolve().parents[2] / "cli.py"  # run as a program, never imported
-# Calibrated so KV binds (docs/BENCHMARKS.md, issue 25 "Calibration"): at 0.1 GiB and 2 req/s nothing was
+# Calibrated so KV binds (docs/notes/predictors.md, issue 25 "Calibration"): at 0.1 GiB and 2 req/s nothing was
 # preempted and the oracle was 5% worse than greedy; at 0.05 GiB and 3 req/s it cut mean JCT by 31%.
 DEFAULT_SYSTEM = "--mode disagg --prefill 1 --decode 2 --dispatch interference --kv-cache-gb 0.05 --predictor-timeout 3"
 DEFAULT_TRACE = "--num-requests 96 --rate 3"

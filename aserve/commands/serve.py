@@ -5,7 +5,7 @@
                  [--admin-key KEY | --admin-open] [--max-instances 8]
 
 ``serve`` defaults to ``SERVE_MODE`` (two coupled Sarathi instances, one a core here): in the peer
-table (docs/BENCHMARKS.md, issue 28), under guidellm at 1, 8 and 32 streams, it had the highest
+table (docs/notes/peer.md, issue 28), under guidellm at 1, 8 and 32 streams, it had the highest
 output tokens/s of aserve's configurations at 32 streams and tied them at 1 and 8, while 1 prefill
 + 1 decode fell behind at 32 streams (one prefill core cannot keep up with 32 streams' prompts).
 ``replay`` keeps disagg as its default: the paper's system is what a replay measures.

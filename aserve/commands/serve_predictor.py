@@ -19,7 +19,7 @@ import argparse
 from pathlib import Path
 
 # The backend with the best measured share of the oracle's scheduling gain (issue 25, target 1:
-# 'aserve predictor share', docs/BENCHMARKS.md, "Overrun predictions held to max_tokens", ten
+# 'aserve predictor share', docs/notes/predictors.md, "Overrun predictions held to max_tokens", ten
 # seeds): under reserve-dynamic sklearn 113%, lm 103%, retrieval 43% (standard error 7-9 points).
 # sklearn leads, and it also fits in 3 s where lm's first fit takes about 11 minutes; in serve's
 # default mode (coupled) no prediction is read and lm could not take its features from a prefill,
@@ -27,7 +27,7 @@ from pathlib import Path
 SERVE_PREDICTOR = "sklearn"
 WHY = ("serve's default (SERVE_PREDICTOR, aserve/commands/serve_predictor.py): it predicts from the request "
        "alone (oracle has no true length for an API request), and has the best measured share of the oracle's "
-       "scheduling gain, 113% over ten seeds (docs/BENCHMARKS.md, issue 25)")
+       "scheduling gain, 113% over ten seeds (docs/notes/predictors.md, issue 25)")
 
 
 def default_predictor(a: argparse.Namespace, options: dict) -> tuple[str, dict, str]:

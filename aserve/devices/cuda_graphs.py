@@ -1,7 +1,7 @@
 """Decode steps replayed as CUDA graphs: one graph per (padded batch, context width) bucket.
 
 On a GPU a decode step of the default model launches several hundred small kernels from
-Python (30 layers), so its time is the launches', not the GPU's (docs/BENCHMARKS.md, "CUDA":
+Python (30 layers), so its time is the launches', not the GPU's (docs/notes/cuda.md, "CUDA":
 16 ms a step on an H100 at batch 1 and at batch 64, where reading the weights takes 0.09 ms).
 A captured graph replays every kernel of the step with one launch, as vLLM and SGLang do per
 batch size.

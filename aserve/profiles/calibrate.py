@@ -83,7 +83,7 @@ def speed(base: CostModel, steps: Sequence[LoggedStep], on: str = "all") -> floa
     the run's (where the base's shape is off for some kind of step, that kind's share of the run
     moves the number). ``on="decode"``: the median of measured / predicted over the usable
     decode-only steps (every policy runs them, so the policy's mix of prompt work does not weigh
-    in; it validated worse: 18 of 78 cells over against 6, docs/BENCHMARKS.md). A shared VM
+    in; it validated worse: 18 of 78 cells over against 6, docs/notes/simulator.md). A shared VM
     drifts by tens of percent over hours, so a profile measured at one time describes another run
     only at that run's speed."""
     if on not in SPEED_ON:
