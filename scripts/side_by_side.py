@@ -9,7 +9,7 @@ markdown table for the notes (docs/notes/); `--limit P` marks every cell whose d
 P percent with `!`, so a refactor's before/after or a simulation's error against a real run is
 read at a glance. Reports from before TPOT and token gaps were told apart name the per-request
 mean `tbt`; it is read as `tpot`. Many workloads' real-against-simulated errors in one table, with
-the token gap and separate limits for means and P99s: scripts/sim_validation.py (which uses this
+the token gap and separate limits for means and P99s: benchmarks/sim_validation.py (which uses this
 file's `latency` and `pct_diff`).
 """
 from __future__ import annotations

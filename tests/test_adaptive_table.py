@@ -1,4 +1,4 @@
-"""scripts/adaptive_table.py: labels, pooling, --mean over several runs of a workload, and the marks
+"""benchmarks/adaptive_table.py: labels, pooling, --mean over several runs of a workload, and the marks
 with their differences."""
 import importlib.util
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "adaptive_table.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "adaptive_table.py"
 spec = importlib.util.spec_from_file_location("adaptive_table", SCRIPT)
 adaptive_table = importlib.util.module_from_spec(spec)
 sys.modules["adaptive_table"] = adaptive_table

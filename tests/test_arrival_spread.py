@@ -1,4 +1,4 @@
-"""scripts/arrival_spread.py: the stretch factors, the trace clock it multiplies, the sign of each
+"""benchmarks/arrival_spread.py: the stretch factors, the trace clock it multiplies, the sign of each
 criterion, and a real sweep of three systems on a simulated device."""
 import importlib.util
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from aserve.profiles.cost_model import CostModel
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "arrival_spread.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "arrival_spread.py"
 spec = importlib.util.spec_from_file_location("arrival_spread", SCRIPT)
 arrival_spread = importlib.util.module_from_spec(spec)
 sys.modules["arrival_spread"] = arrival_spread

@@ -1,4 +1,4 @@
-"""scripts/pinned_replays.sh refuses a plan it cannot run before it loads or measures anything:
+"""benchmarks/pinned_replays.sh refuses a plan it cannot run before it loads or measures anything:
 an unknown system or trace, or more systems than the machine has pairs of cores for."""
 import os
 import subprocess
@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(tmp_path, *lanes):
-    return subprocess.run(["bash", "scripts/pinned_replays.sh", str(tmp_path / "out"), "10", *lanes], cwd=ROOT,
+    return subprocess.run(["bash", "benchmarks/pinned_replays.sh", str(tmp_path / "out"), "10", *lanes], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -1,4 +1,4 @@
-"""scripts/step_drift.py: each request's TTFT rebuilt from a step log equals the log's own times, and
+"""benchmarks/step_drift.py: each request's TTFT rebuilt from a step log equals the log's own times, and
 an instance whose steps ran slow shows in its windows and in the requests that waited on it."""
 import importlib.util
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from aserve.profiles.cost_model import CostModel
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "step_drift.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_drift.py"
 spec = importlib.util.spec_from_file_location("step_drift", SCRIPT)
 step_drift = importlib.util.module_from_spec(spec)
 sys.modules["step_drift"] = step_drift  # its dataclasses look their module up there

@@ -1,4 +1,4 @@
-"""scripts/step_speed.py: a run whose steps took longer for the same shapes reads as slower."""
+"""benchmarks/step_speed.py: a run whose steps took longer for the same shapes reads as slower."""
 import importlib.util
 import json
 import random
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "step_speed.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_speed.py"
 spec = importlib.util.spec_from_file_location("step_speed", SCRIPT)
 step_speed = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(step_speed)

@@ -1,10 +1,14 @@
-"""``aserve bench engine|swap-int8|interference|ray|goodput``: the benchmarks' command lines."""
+"""``aserve bench engine|swap-int8|interference|ray|goodput|serve``: the benchmarks' command lines.
+
+``bench serve`` is load against a running server, as ``vllm bench serve``: ``aserve replay``'s own
+parser (aserve/commands/replay.py: add_replay_args) with ``--url`` required, run by the same command.
+"""
 from __future__ import annotations
 
 import argparse
 
 from aserve.commands.common import add_cluster_args, add_engine_args, engine_config
-from aserve.commands.replay import add_fit_args
+from aserve.commands.replay import add_fit_args, add_replay_args, cmd_replay
 from aserve.commands.slo_args import add_slo_args
 
 
@@ -41,6 +45,17 @@ def register(subparsers) -> None:
     add_engine_args(br)
     br.set_defaults(func=cmd_bench_ray)
     _register_goodput(bsub)
+    sv = bsub.add_parser("serve", help="load a running OpenAI-compatible server (aserve, vLLM, ...) with a trace; "
+                                       "the report of 'aserve replay'",
+                         description="Replays TRACE against the server at --url (alias --base-url, as 'vllm bench "
+                                     "serve'): TTFT/TBT/JCT, SLO attainment and goodput. The flags are those of "
+                                     "'aserve replay' (one parser: aserve/commands/replay.py). Of the engine and "
+                                     "cluster flags only --model and --cache-dir (the tokenizer that sizes the "
+                                     "prompts), --seed, and the device flags an --slo corner's units are measured on "
+                                     "are read; --compare and --step-log, which run in-process systems, are refused. "
+                                     "'aserve replay TRACE --url URL' is the old spelling and still works.")
+    add_replay_args(sv, url_required=True)
+    sv.set_defaults(func=cmd_replay, url_note=False)
 
 
 def cmd_bench_engine(a: argparse.Namespace) -> int:

@@ -1,8 +1,11 @@
 """``aserve replay`` and ``aserve workload``: argparse -> frozen configs -> replay -> report.
 
-    aserve replay TRACE [fit flags] [--prompts FILE] [--url URL] [--compare 'A: flags ; B: flags']
+    aserve replay TRACE [fit flags] [--prompts FILE] [--compare 'A: flags ; B: flags']
                         [--json FILE] [--plots DIR] [--slo CORNER | --goodput ttft:MS tpot:MS ...]
                         [engine and cluster flags]
+    aserve bench serve --url URL TRACE [the same flags]   (load against a running server, as
+                        'vllm bench serve'; the old spelling 'aserve replay TRACE --url URL' still
+                        works and prints a note)
     aserve workload NAME [--num-requests 128] [--out traces/NAME.jsonl] [--rate 1.0]
 
 ``--compare`` items are parsed with the same engine and cluster flags (add_engine_args,
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import shlex
+import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -115,16 +119,20 @@ def fit_options(a: argparse.Namespace, context: int, **override):
     return replace(opts, **override)
 
 
-def register(subparsers) -> None:
-    from aserve.replay.workloads import WORKLOADS
+URL_NOTE = "aserve: note: 'aserve bench serve --url URL TRACE' is the new spelling of 'aserve replay TRACE --url URL'"
 
-    r = subparsers.add_parser("replay", help="replay a request trace and report TTFT/TBT/JCT, resource usage, perf/$")
+
+def add_replay_args(r: argparse.ArgumentParser, url_required: bool = False) -> None:
+    """Every flag of ``aserve replay``; ``aserve bench serve`` is this parser with ``--url`` required."""
     r.add_argument("trace", help="Azure CSV, lengths CSV, Mooncake JSONL or aserve JSONL (auto-detected)")
     r.add_argument("--prompts", default=None, help="JSONL with 'prompt' text: real prompts cut/extended to length "
                    "(default: random token ids)")
     r.add_argument("--chat", action="store_true", help="send each request's text (the trace's own) as one chat "
                    "turn with the model's chat template, as a chat client does; its length is the template's")
-    r.add_argument("--url", default=None, help="replay against this OpenAI-compatible server instead of in-process")
+    r.add_argument("--url", "--base-url", dest="url", required=url_required, default=None,
+                   help="the OpenAI-compatible server to load" if url_required else
+                   "replay against this OpenAI-compatible server instead of in-process (new spelling: "
+                   "'aserve bench serve --url URL TRACE')")
     r.add_argument("--api-model", default=None, help="model name to send with --url (default: the server's first)")
     r.add_argument("--compare", default=None, help="'NAME: flags ; NAME: flags': systems replayed in turn")
     r.add_argument("--name", default=None, help="the system's name when not comparing")
@@ -142,7 +150,14 @@ def register(subparsers) -> None:
     add_fit_args(r)
     add_engine_args(r)
     add_cluster_args(r)
-    r.set_defaults(func=cmd_replay)
+
+
+def register(subparsers) -> None:
+    from aserve.replay.workloads import WORKLOADS
+
+    r = subparsers.add_parser("replay", help="replay a request trace and report TTFT/TBT/JCT, resource usage, perf/$")
+    add_replay_args(r)
+    r.set_defaults(func=cmd_replay, url_note=True)
 
     w = subparsers.add_parser("workload", help=f"write one of the paper's workloads ({', '.join(WORKLOADS)}) as JSONL")
     w.add_argument("name", help=" | ".join(WORKLOADS))
@@ -211,13 +226,10 @@ async def _run(a, specs, trace, prompts, bundle, progress) -> list:
             print(f"wrote {log.num_lines} steps to {log.path}")
 
 
-def cmd_replay(a: argparse.Namespace) -> int:
-    """Fit the trace, build prompts, replay every system, print the table, write JSON and plots."""
-    from aserve.replay.driver import ReplayProgress
-    from aserve.replay.report import build_report, print_report, write_json
-    from aserve.replay.traces import load_trace
-    from aserve.replay.workloads import PromptBuilder
-
+def _check_flags(a: argparse.Namespace) -> None:
+    """Flags that cannot go together, refused before anything heavy is imported; the old spelling's note."""
+    if a.url and getattr(a, "url_note", False):
+        print(URL_NOTE, file=sys.stderr, flush=True)
     if a.url and (a.compare or a.step_log):
         raise ValueError("--compare and --step-log run in-process systems; they cannot be combined with --url")
     if a.devices is not None and (not a.url or a.devices < 1):
@@ -226,6 +238,16 @@ def cmd_replay(a: argparse.Namespace) -> int:
     if a.chat and (a.max_prompt_tokens or a.length_scale != 1.0 or a.prompts):
         raise ValueError("--chat sends each request's own text whole: it cannot be combined with "
                          "--max-prompt-tokens, --length-scale or --prompts")
+
+
+def cmd_replay(a: argparse.Namespace) -> int:
+    """Fit the trace, build prompts, replay every system, print the table, write JSON and plots."""
+    _check_flags(a)
+    from aserve.replay.driver import ReplayProgress
+    from aserve.replay.report import build_report, print_report, write_json
+    from aserve.replay.traces import load_trace
+    from aserve.replay.workloads import PromptBuilder
+
     items = compare_items(a.compare, a) if a.compare else [(a.name, a)]
     slo = slo_from_args(a, items[0][1])  # a corner reads the (first) system's device
     bundle, tokenizer, context = _tokenizer_and_context(a, bundle_engine(a))

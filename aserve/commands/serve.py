@@ -1,8 +1,11 @@
 """``aserve serve``: the OpenAI-compatible HTTP server in the cluster's own process and loop.
 
-    aserve serve [--mode coupled --instances N --batching B | --mode disagg --prefill P --decode D
+    aserve serve [MODEL] [--mode coupled --instances N --batching B | --mode disagg --prefill P --decode D
                   | --mode adaptive --prefill P --decode D] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
                  [--admin-key KEY | --admin-open] [--max-instances 8]
+
+MODEL is positional as ``vllm serve MODEL`` takes it; ``--model MODEL`` (the engine flag every
+command shares) is the same thing and keeps working; both given and different is an error.
 
 ``serve`` defaults to ``SERVE_MODE`` (two coupled Sarathi instances, one a core here): in the peer
 table (docs/notes/peer.md, issue 28), under guidellm at 1, 8 and 32 streams, it had the highest
@@ -38,6 +41,9 @@ EXIT_OVERRAN = 1
 def register(subparsers) -> argparse.ArgumentParser:
     """Register ``serve`` and its flags (the CLI's engine and cluster flags, plus the server's)."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, SSE, /metrics)")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as 'vllm serve MODEL' takes it: the same as --model (default: 'default', "
+                        "SmolLM2-135M-Instruct, bundled)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
@@ -70,6 +76,16 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=cmd_serve, predictor=None)  # None: serve_predictor.py picks, and says why
     return p
+
+
+def serve_model(a: argparse.Namespace) -> argparse.Namespace:
+    """Fold the positional MODEL into ``a.model`` (the engine flag), as ``vllm serve MODEL`` takes it.
+    Both given and different is an error naming both (``--model default``, its default, counts as not given)."""
+    if a.model_tag is not None:
+        if a.model not in ("default", a.model_tag):
+            raise ValueError(f"the model is given twice: MODEL {a.model_tag!r} and --model {a.model!r}; give one")
+        a.model = a.model_tag
+    return a
 
 
 def server_settings(a: argparse.Namespace):
@@ -131,6 +147,7 @@ def startup_notes(settings, host: str) -> list[str]:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    serve_model(a)
     a.predictor, why = serve_predictor(a, parse_options(a.predictor_option, "predictor-option"))
     (engine, cluster_cfg), settings = engine_and_cluster(a), server_settings(a)
     if not 0 <= a.port <= 65535:

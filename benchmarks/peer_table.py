@@ -1,6 +1,6 @@
 """Print the peer table from guidellm's JSON reports: ``peer_table.py OUT_DIR SERVER...``.
 
-Each ``OUT_DIR/<server>-c<streams>.json`` is one guidellm run (scripts/peer_vllm.sh); a row per
+Each ``OUT_DIR/<server>-c<streams>.json`` is one guidellm run (benchmarks/peer_vllm.sh); a row per
 server and concurrency: output tokens/s (guidellm's mean), TTFT and ITL median / p95 in ms,
 and requests ok / errored.
 """

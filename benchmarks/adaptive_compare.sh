@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Issue 24's comparison: adaptive against tetri, vllm and sarathi on the same hardware, every
 # workload, one system after another (docs/notes/adaptive.md, "Adaptive roles"). Then the criteria
-# table (scripts/adaptive_table.py) and the Shift trace with ratio flips.
+# table (benchmarks/adaptive_table.py) and the Shift trace with ratio flips.
 #
-#   scripts/adaptive_compare.sh [OUT_DIR]                       # real CPU: 2 instances, 1 thread each
-#   DEVICE=sim:local scripts/adaptive_compare.sh /tmp/sim        # this machine's profile, virtual time
-#   DEVICE=sim:opt-13b-v100-32gb SCALE=paper scripts/adaptive_compare.sh /tmp/paper   # 2P+2D vs 4 + 4
+#   benchmarks/adaptive_compare.sh [OUT_DIR]                       # real CPU: 2 instances, 1 thread each
+#   DEVICE=sim:local benchmarks/adaptive_compare.sh /tmp/sim        # this machine's profile, virtual time
+#   DEVICE=sim:opt-13b-v100-32gb SCALE=paper benchmarks/adaptive_compare.sh /tmp/paper   # 2P+2D vs 4 + 4
 #
 # Real device: about 2.5-17 minutes a system and workload (round 1), some 3-4 hours in all; run it
 # with nothing else on the machine. AZURE (default ../shared/data/traces/azure2023_conv.csv) adds the
@@ -43,7 +43,7 @@ if [ -f "$AZURE" ] && [ ! -f "$OUT/run_azure.json" ]; then
   $PY cli.py replay "$AZURE" --num-requests 2867 --length-scale 0.1 --time-scale 1.5 --device "$DEVICE" \
       "${FIT[@]}" --compare "$SYS" --json "$OUT/run_azure.json" $(steplog azure) --no-progress | tail -n 3
 fi
-$PY scripts/adaptive_table.py "$OUT"/run_*.json | tee "$OUT/table.md"
+$PY benchmarks/adaptive_table.py "$OUT"/run_*.json | tee "$OUT/table.md"
 
 # The Shift trace (HPLD then LPHD) with ratio flips, 4 instances each owning its share of the machine
 # (round 1: 'ratio' x0.83 mean JCT against 'off'); flips over time in $OUT/shift_plots/timeline.png

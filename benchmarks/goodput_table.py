@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Issue 54's paper-scale goodput table from ``scripts/goodput_paper.sh OUT_DIR``'s runs.
+"""Issue 54's paper-scale goodput table from ``benchmarks/goodput_paper.sh OUT_DIR``'s runs.
 
-    python scripts/goodput_table.py OUT_DIR [--json results/goodput_paper.json] [--plots docs/plots]
+    python benchmarks/goodput_table.py OUT_DIR [--json results/goodput_paper.json] [--plots docs/plots]
 
 Prints one markdown table (workload x corner rows; vllm, sarathi, tetri at its best static split,
 adaptive: goodput per device, req/s, with the knee's error bar), the Azure code trace's rows beside
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
             "machine": "; ".join(sorted({m for _, _, m in abouts})),
             "commit": ", ".join(sorted({c for c, _, _ in abouts})),
             "date": ", ".join(sorted({d for _, d, _ in abouts})),
-            "command": "scripts/goodput_paper.sh OUT && python scripts/goodput_table.py OUT "
+            "command": "benchmarks/goodput_paper.sh OUT && python benchmarks/goodput_table.py OUT "
                        f"--json {a.json}" + (f" --plots {a.plots}" if a.plots else ""),
             "wall_time": f"{sum(s['wall_s'] for r in runs.values() for s in r['systems'].values()) / 60:.0f} min "
                          f"({len(runs)} searches of {len(first['systems'])} systems each, virtual time)",

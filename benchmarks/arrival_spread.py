@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """How far issue 24's comparison moves when a workload's arrivals move a little.
 
-    .venv/bin/python scripts/arrival_spread.py OUT_DIR [--stretch 0.95:1.05:0.01] [--adaptive adaptive] [--tie 0.03] \
+    .venv/bin/python benchmarks/arrival_spread.py OUT_DIR [--stretch 0.95:1.05:0.01] [--adaptive adaptive] [--tie 0.03] \
         -- REPLAY_ARGS...
 
 Replays the same ``aserve replay REPLAY_ARGS`` (a trace and a ``--compare`` naming vllm, sarathi
 and the adaptive system) once per stretch factor, the trace's clock multiplied by it (a
 ``--time-scale`` in REPLAY_ARGS is multiplied, not replaced), one JSON per factor in OUT_DIR and
 its printed tables beside it (.txt); a factor whose JSON is there is not run again. Then prints,
-per criterion of ``scripts/adaptive_table.py``, adaptive's difference against the better
+per criterion of ``benchmarks/adaptive_table.py``, adaptive's difference against the better
 baseline (the P99 token gap against sarathi) in every run, their mean, spread and range, and in
 how many runs it is within the tie: positive is adaptive worse. Use a ``sim:`` device: it is
 deterministic, so what moves is the workload's own sensitivity to when requests arrive (where
@@ -93,7 +93,7 @@ def summary(runs: dict[float, dict[str, float]], tie: float) -> list[str]:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        raise SystemExit("usage: scripts/arrival_spread.py OUT_DIR [options] -- REPLAY_ARGS (the replay's own flags after --)")
+        raise SystemExit("usage: benchmarks/arrival_spread.py OUT_DIR [options] -- REPLAY_ARGS (the replay's own flags after --)")
     cut = argv.index("--")
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         from aserve.commands import main as aserve
     except ImportError as e:
         raise SystemExit(f"aserve is not importable here ({e}): run the script with the project's Python, "
-                         ".venv/bin/python scripts/arrival_spread.py ...")
+                         ".venv/bin/python benchmarks/arrival_spread.py ...")
 
     runs = {}
     for factor in stretches(a.stretch):

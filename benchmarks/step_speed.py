@@ -8,7 +8,7 @@ the given logs (a fixed cost, a row's, a token of context's, the neighbour's ove
 per system, the median of measured / fitted: 1.00 is the logs' average speed, 1.10 a run whose
 steps took 10% longer than the same shapes took on average. Put it beside any real comparison.
 
-    scripts/step_speed.py steps_HPLD.jsonl [more.jsonl ...]    # a file's systems as FILE:SYSTEM if several files
+    benchmarks/step_speed.py steps_HPLD.jsonl [more.jsonl ...]    # a file's systems as FILE:SYSTEM if several files
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Issue 23's validation table: the same replays on the real device and on `sim:`, cell by cell.
 
-    scripts/sim_validation.py REAL_W.json:SIM_W.json [REAL_W2.json:SIM_W2.json ...] \
+    benchmarks/sim_validation.py REAL_W.json:SIM_W.json [REAL_W2.json:SIM_W2.json ...] \
         [--systems tetri,vllm,sarathi] [--mean-limit 0.10] [--p99-limit 0.20]
 
 Each argument pairs two `aserve replay --compare` reports of one workload (the workload's name is
@@ -17,7 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from side_by_side import latency, pct_diff  # this folder is on the path when a script here runs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # side_by_side.py, a tool
+from side_by_side import latency, pct_diff  # noqa: E402
 
 METRICS = (("ttft", "TTFT"), ("token_gap", "TBT"), ("jct", "JCT"))
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Issue 24's check: adaptive against the better coupled baseline, per workload, from replay JSONs.
 
-    scripts/adaptive_table.py [LABEL=]W1.json [[LABEL=]W2.json ...] [--mean] [--adaptive adaptive] [--tie 0.03]
+    benchmarks/adaptive_table.py [LABEL=]W1.json [[LABEL=]W2.json ...] [--mean] [--adaptive adaptive] [--tie 0.03]
 
 Each JSON is one `aserve replay --compare` report, filed under LABEL (default: the file name's last
 '_' part, so run_LPLD.json is LPLD). Reports under one label are pooled: a system in a later file

@@ -4,7 +4,7 @@
 # instance, so every system of a workload runs in the same minutes of the same machine (on a shared
 # VM, one system after another meets the machine's drift: docs/notes/adaptive.md, the LPLD study).
 #
-#   scripts/pinned_replays.sh OUT_DIR SECONDS LANE...
+#   benchmarks/pinned_replays.sh OUT_DIR SECONDS LANE...
 #     LANE = WORKLOADS[:SYSTEMS]    e.g. HPHD   LPLD,HPLD   LPLD,HPLD:adaptive,vllm
 #     WORKLOADS run one after another in the lane; the SYSTEMS of one workload (default
 #     adaptive,vllm,sarathi) run side by side, one pair of cores each. Lanes run at once, each on its
@@ -15,13 +15,13 @@
 #   by default it is measured again, which replaces the cached one (and what `sim:local` models).
 #
 # Each replay writes OUT_DIR/run_W_SYSTEM_LANE.json, its log and its step log (steps_*.jsonl, for
-# scripts/step_speed.py and `aserve profile device --from-steps`); cpus.txt says which cores each
+# benchmarks/step_speed.py and `aserve profile device --from-steps`); cpus.txt says which cores each
 # used and how the machine's cores share physical cores. The profile for one thread is measured once
 # first (alone), so no replay measures it under its neighbours' load. Round 1's caps, as
-# scripts/adaptive_compare.sh: prompts to 1,024 tokens, outputs to 512, 0.5 GiB of KV an instance.
+# benchmarks/adaptive_compare.sh: prompts to 1,024 tokens, outputs to 512, 0.5 GiB of KV an instance.
 set -uo pipefail
-OUT=${1:?usage: scripts/pinned_replays.sh OUT_DIR SECONDS LANE...}
-LIMIT=${2:?usage: scripts/pinned_replays.sh OUT_DIR SECONDS LANE...}
+OUT=${1:?usage: benchmarks/pinned_replays.sh OUT_DIR SECONDS LANE...}
+LIMIT=${2:?usage: benchmarks/pinned_replays.sh OUT_DIR SECONDS LANE...}
 shift 2
 PY=${PY:-python3}
 mkdir -p "$OUT"

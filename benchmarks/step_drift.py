@@ -8,8 +8,8 @@ run, and, given the trace, every request's TTFT rebuilt from the log (its prompt
 from the first to the one that samples, matched to the trace by length, first come first served),
 with the measured / predicted ratio of its instance's steps while it waited.
 
-    scripts/step_drift.py steps.jsonl --system sarathi --profile speed.json [--window 10]
-    scripts/step_drift.py steps.jsonl --system sarathi --profile speed.json --trace traces/LPLD.jsonl \\
+    benchmarks/step_drift.py steps.jsonl --system sarathi --profile speed.json [--window 10]
+    benchmarks/step_drift.py steps.jsonl --system sarathi --profile speed.json --trace traces/LPLD.jsonl \\
         --max-prompt-tokens 1024 [--slowest 8]
 
 The rebuilt TTFTs' mean and P99 should equal the replay report's (print both and compare): a

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # TetriInfer's Figure 16 on simulated V100s (issue 23): the five workloads, five systems each.
 #
-#   scripts/fig16_sim.sh OUTDIR [RATE]
+#   benchmarks/fig16_sim.sh OUTDIR [RATE]
 #
 # RATE (req/s) rescales the committed traces' arrivals (1 req/s as committed; leave it out to keep
-# them). Writes OUTDIR/fig16_<workload>.json and prints scripts/fig16_table.py's table. Lengths
+# them). Writes OUTDIR/fig16_<workload>.json and prints benchmarks/fig16_table.py's table. Lengths
 # are clipped only to OPT-13B's 2,048-token context; the set-accuracy predictor runs at the
 # paper's 74.9%. About 1-3 minutes a rate on two cores.
 set -euo pipefail
-out=${1:?usage: scripts/fig16_sim.sh OUTDIR [RATE]}
+out=${1:?usage: benchmarks/fig16_sim.sh OUTDIR [RATE]}
 rate=${2:-}
 here=$(cd "$(dirname "$0")/.." && pwd)
 aserve=${ASERVE:-$here/.venv/bin/aserve}
@@ -22,4 +22,4 @@ for w in LPLD LPHD HPLD HPHD Mixed; do
       vllm-2gpu: --mode coupled --instances 2 --batching vllm ;
       sarathi-2gpu: --mode coupled --instances 2 --batching sarathi' > "$out/fig16_$w.txt"
 done
-python3 "$here/scripts/fig16_table.py" "$out"
+python3 "$here/benchmarks/fig16_table.py" "$out"

@@ -3,8 +3,8 @@
 # time, and guidellm drives each at concurrency 1, 8 and 32 (256-token prompts, 128 output
 # tokens, ignore_eos). One table: output tokens/s, TTFT and ITL median / p95 per concurrency.
 #
-#   bash scripts/peer_vllm.sh            # installs the venvs on first use, then measures
-#   SERVERS="aserve vllm-best" bash scripts/peer_vllm.sh
+#   bash benchmarks/peer_vllm.sh            # installs the venvs on first use, then measures
+#   SERVERS="aserve vllm-best" bash benchmarks/peer_vllm.sh
 #
 # Not in CI: about 20 minutes on this 2-core machine once the venvs exist (an hour with the
 # installs), and it needs the whole machine (run it with nothing else running). Servers:
@@ -117,4 +117,4 @@ for server in $SERVERS; do
   stop_server "$pid"
   trap - EXIT
 done
-"$PY" "$ROOT/scripts/peer_table.py" "$OUT" $SERVERS
+"$PY" "$ROOT/benchmarks/peer_table.py" "$OUT" $SERVERS

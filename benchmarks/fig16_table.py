@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """TetriInfer's Figure 16 from `aserve replay --json` reports on a simulated device, beside the paper.
 
-    scripts/fig16_table.py DIR
+    benchmarks/fig16_table.py DIR
 
 DIR holds one report per workload, `fig16_{LPLD,LPHD,HPLD,HPHD,Mixed}.json`, each with the
 systems `ts-roce`, `ts-nvlink`, `vllm-1gpu`, `vllm-2gpu`, `sarathi-2gpu` (the commands are in
@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
-from side_by_side import pct_diff  # this folder is on the path when a script here runs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # side_by_side.py, a tool
+from side_by_side import pct_diff  # noqa: E402
 
 WORKLOADS = ("LPLD", "LPHD", "HPLD", "HPHD", "Mixed")
 SYSTEMS = ("ts-roce", "ts-nvlink", "vllm-1gpu", "vllm-2gpu", "sarathi-2gpu")

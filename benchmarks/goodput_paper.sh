@@ -6,12 +6,12 @@
 # trace (report-only: nothing is tuned on it) beside. Each run is a `bench goodput` search per
 # system on virtual time; the fair default predictor (accuracy at sklearn's measured 65.7%).
 #
-#   scripts/goodput_paper.sh OUT_DIR            # then: python scripts/goodput_table.py OUT_DIR
+#   benchmarks/goodput_paper.sh OUT_DIR            # then: python benchmarks/goodput_table.py OUT_DIR
 #
 # About 1-3 minutes a workload and corner for the synthetic traces and 10-15 for an Azure one on
 # two shared cores. A run whose OUT_DIR/W_C.json exists is not run again (a cut-off run resumes).
 set -euo pipefail
-OUT=${1:?usage: scripts/goodput_paper.sh OUT_DIR}
+OUT=${1:?usage: benchmarks/goodput_paper.sh OUT_DIR}
 PY=${PY:-python}
 DATA=${DATA:-../shared/data/traces}
 AZURE_N=${AZURE_N:-1024}
