@@ -154,15 +154,15 @@ def test_a_failed_rebalance_copy_leaves_the_decode_where_it_was(default_bundle_f
 
     async def main():
         async with Cluster(ENGINE, REBALANCE, bundle=default_bundle_fp32) as cl:
-            rebalance = cl._rebalance
+            rebalance = cl.placer.rebalance
 
             def drill():  # the first batch of moves meets a failing link (the hand-over's fault drill)
-                before = set(cl._moving)
+                before = set(cl.placer.moving)
                 rebalance()
-                if cl._moving.keys() - before and not cl.handoff.counts["migrations_kept"]:
-                    cl.handoff.inject_faults(len(cl._moving.keys() - before))
+                if cl.placer.moving.keys() - before and not cl.handoff.counts["migrations_kept"]:
+                    cl.handoff.inject_faults(len(cl.placer.moving.keys() - before))
 
-            cl._rebalance = drill
+            cl.placer.rebalance = drill
             check(await stream_all(cl, ids, SP_LONG, during=join_when_all_decode([]), after_tokens=1), want)
             await settled(cl, cl.instances)
             return cl.all_counts()

@@ -1,6 +1,7 @@
 """The CLI's vLLM spellings (issue 57): ``aserve bench serve --url URL TRACE`` is ``aserve replay TRACE
 --url URL`` and ``aserve serve MODEL`` is ``aserve serve --model MODEL``; the old spellings keep
 working, ``replay --url`` with a note. Parsing only: no model, no server, no torch."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,7 +81,8 @@ def test_serve_model_given_twice_differently_names_both(capsys):
 
 def test_make_serve_passes_args_to_aserve_serve():
     """``make serve ARGS=...`` still runs ``aserve serve`` (the set-up contract's first command)."""
-    r = subprocess.run(["make", "-n", "serve", "ARGS=some-model --port 0"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}  # run by make test too
+    r = subprocess.run(["make", "--no-print-directory", "-n", "serve", "ARGS=some-model --port 0"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1].endswith("bin/aserve serve some-model --port 0"), r.stdout

@@ -14,12 +14,15 @@ prompt to the instance where it costs least, a decode instance included (its KV 
 moves), and a prefill instance keeps decoding what it prefilled unless moving it pays
 (``Placement.keep_local``). The placement is late-bound: after each step, the instance that
 stepped takes the oldest prompts others have not started while they cost less there (a decode
-instance that had no room for them when they arrived may have it now). Everything here runs on
-the event-loop thread.
+instance that had no room for them when they arrived may have it now); once arrivals stop, running
+decodes are rebalanced by KV migration. Those decisions are aserve/cluster/adaptive.py's
+(``AdaptivePlacer``); the cluster calls it where a request's life reaches one. Everything here runs
+on the event-loop thread.
 
 The cluster is every instance's ``InstanceHost``: instances report once a step (``on_step``) or
 when they fail (``on_failure``), and the cluster reaches them through their façade. Lifecycle
-(flips, adds, removals, failures) and the KV hand-over are composed parts with their own state.
+(flips, adds, removals, failures), the KV hand-over and adaptive placement are composed parts with
+their own state.
 
 The length predictor (aserve/predict/online.py) starts at submit and runs on its own thread;
 its range is put on the request where a policy first reads it: the handoff (disagg, parallel),
@@ -29,9 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import replace
 from typing import AsyncIterator, Optional
 
+from aserve.cluster.adaptive import AdaptivePlacer
 from aserve.cluster.groups import PrefixGroups
 from aserve.cluster.handoff import Handoff
 from aserve.cluster.lifecycle import Lifecycle
@@ -45,10 +48,7 @@ from aserve.engine.instance import Instance, StepReport
 from aserve.engine.policies import Policies
 from aserve.engine.stops import StopChecker
 from aserve.predict.online import OnlinePredictor
-from scheduling.block_manager import blocks_needed
 from scheduling.clock import Clock, MonotonicClock
-from scheduling.dispatch import expected_output, predicted_total_blocks
-from scheduling.placement import EntryLoad, Placement, PlacementConfig
 from scheduling.request import Request, SamplingParams
 from scheduling.step import TokenLogprobs
 
@@ -71,14 +71,7 @@ class Cluster:
                                self.lifecycle.recompute, spawn=self.spawn)
         self.predictor = OnlinePredictor(cfg)
         self.groups = PrefixGroups()  # the n choices of a prompt held until the first has computed it
-        self.placement = Placement(PlacementConfig(
-            engine.max_num_batched_tokens, cfg.placement_step_s, cfg.placement_prefill_token_s,
-            cfg.placement_decode_row_s, cfg.interference, keep_margin=cfg.keep_margin))
-        # adaptive: where prompts went (and decodes a rebalance moved)
-        self.placements = {"prefill": 0, "decode": 0, "kept": 0, "taken": 0, "moved": 0}
-        self._moving: dict[str, tuple[str, int]] = {}  # adaptive rebalance: request id -> (to, epoch)
-        self._migrating: set[str] = set()  # ... and those whose copy has begun, until it lands or fails
-        self._last_arrival = float("-inf")  # when the last request arrived (the rebalance's quiet time)
+        self.placer = AdaptivePlacer(engine, cfg, self.clock, self.instances, self.requests, self.handoff)
         self.stops: Optional[StopChecker] = None
         self.loop_lag_s = 0.0
         self.started = False
@@ -86,6 +79,15 @@ class Cluster:
         self._tasks: set[asyncio.Task] = set()
         self._monitor: Optional[asyncio.Task] = None
         self.step_log = None  # a StepLog every instance writes its steps to (aserve replay --step-log)
+
+    @property
+    def placements(self) -> dict[str, int]:
+        """Adaptive: where prompts went (prefill, decode), kept, taken by late binding, moved."""
+        return self.placer.placements
+
+    @property
+    def placement(self):
+        return self.placer.placement
 
     # ---- start and stop ----------------------------------------------------------------------
     async def start(self, warm_up: bool = False) -> None:
@@ -242,7 +244,7 @@ class Cluster:
             raise ValueError(f"duplicate request id {rid!r}")
         req = Request(rid, list(prompt_token_ids), sampling, arrival_time=self.clock.now(), prompt_text=prompt_text,
                       prefix_group=prefix_group)
-        self._last_arrival = req.arrival_time
+        self.placer.last_arrival = req.arrival_time
         if oracle_length is not None:
             req.oracle_length = oracle_length  # predictors.simple.ORACLE_ATTR
         self._check_capacity(req)
@@ -275,7 +277,7 @@ class Cluster:
         if not takes_prompts:
             return self.place(handle)
         if self.cfg.mode == "adaptive":
-            self._assign(handle, beside)
+            self.placer.assign(handle, beside)
             return True
         handle.instance_id, handle.phase = beside.id, "prefill"
         if beside.role == "prefill":
@@ -311,7 +313,7 @@ class Cluster:
         is taken by a decode instance, which recomputes its prompt + output in one step."""
         req = handle.request
         if self.cfg.mode == "adaptive":
-            return self._place_adaptive(handle)
+            return self.placer.place(handle)
         entry = [i for i in self.instances.values() if i.role in ("prefill", "coupled") and i.state == "active"]
         if entry and not (req.output_token_ids and entry[0].role == "prefill"):
             inst = min(entry, key=lambda i: (i.num_queued_tokens, i.id))
@@ -326,115 +328,6 @@ class Cluster:
             handle.instance_id, handle.decode_instance, handle.phase = inst.id, inst.id, "decode"
         inst.submit(req)
         return True
-
-    def entry_loads(self) -> list[EntryLoad]:
-        """Adaptive: every active instance as the placement sees it."""
-        loads = []
-        for inst in self.instances.values():
-            if inst.state == "active" and inst.adaptive is not None:
-                loads.append(EntryLoad(inst.id, inst.role, inst.num_queued_tokens, inst.adaptive.num_decoding,
-                                       inst.blocks.num_free, inst.blocks.block_size))
-        return loads
-
-    def _place_adaptive(self, handle: RequestHandle) -> bool:
-        """Adaptive: the instance where the prompt (or a re-run's prompt + output) costs least."""
-        req = handle.request
-        chosen = self.placement.choose(self.entry_loads(), req.num_tokens)
-        if chosen is None:
-            return False
-        self._assign(handle, self.instances[chosen.instance_id])
-        self.placements[chosen.role] += 1
-        return True
-
-    def _assign(self, handle: RequestHandle, inst: Instance) -> None:
-        handle.instance_id, handle.phase = inst.id, "prefill"
-        if inst.role == "prefill":
-            handle.prefill_instance, handle.decode_instance = inst.id, None
-        else:
-            handle.prefill_instance, handle.decode_instance = None, inst.id
-        inst.submit(handle.request)
-
-    def _late_bind(self, taker: Instance) -> None:
-        """Adaptive: a prompt is placed where it costs least when it arrives, but room and queues
-        change after (a decode instance without the blocks for it then may have them now). The
-        instance that just stepped takes the oldest prompts other instances have not started
-        while each costs less here (``Placement.cost_s``, a step less) than where it waits."""
-        if taker.state != "active" or taker.adaptive is None:
-            return
-        free = taker.blocks.num_free  # first the cheap test: room for some other queue's oldest prompt
-        if not any(o.adaptive is not None and o is not taker and o.state == "active"
-                   and _fits(next(o.adaptive.unstarted(), None), free, o.blocks.block_size)
-                   for o in self.instances.values()):
-            return
-        loads = {ld.instance_id: ld for ld in self.entry_loads()}
-        mine = loads.get(taker.id)
-        for other in self.instances.values():
-            there = loads.get(other.id)
-            if other is taker or there is None or other.adaptive is None:
-                continue
-            ahead, moving = other.adaptive.num_started_tokens, []
-            for req in other.adaptive.unstarted():
-                need, n = blocks_needed(req.num_tokens + 1, mine.block_size), req.num_tokens
-                waits = self.placement.cost_s(replace(there, queued_tokens=ahead), n)
-                if mine.free_blocks < need or self.placement.cost_s(mine, n) + self.placement.config.step_s >= waits:
-                    break
-                moving.append(req.request_id)
-                mine = replace(mine, queued_tokens=mine.queued_tokens + n, free_blocks=mine.free_blocks - need)
-            for req in other.take_unstarted(moving):
-                handle = self.requests.get(req.request_id)
-                if handle is not None:
-                    self._assign(handle, taker)
-                    self.placements["taken"] += 1
-
-    def _rebalance(self) -> None:
-        """Adaptive: once the arrivals have stopped (none for ``rebalance_quiet_s``) and no prompt
-        is queued anywhere, move running decodes from the instance with the most to the one with
-        the fewest (either role: an idle prefill instance's core then serves the decode tail), as
-        many as ``Placement.rebalance_count`` finds pay, the longest expected rest first. Each
-        leaves its instance after its next token by KV migration (``Handoff.migrate``); one batch
-        of moves at a time: the next is priced once every copy of the last has landed or failed
-        (priced before, the loads miss the decodes in flight and a second batch follows the first
-        to the same instance, then a third moves some back). While requests keep arriving the
-        placement evens the load with each new prompt, and moves cost: decodes on a prefill
-        instance ride beside the next prompts' chunks, and a batch split in two pays the step's
-        fixed cost twice (at paper scale on Mixed, moves at any time: P99 token gap +26%, busy +3%;
-        docs/notes/adaptive.md, "Shift trace")."""
-        self._moving = {rid: m for rid, m in self._moving.items()
-                        if rid in self.requests and self.requests[rid].epoch == m[1]}
-        if self._moving or self._migrating or self.clock.now() - self._last_arrival < self.cfg.rebalance_quiet_s:
-            return
-        loads = self.entry_loads()
-        if len(loads) < 2 or self.handoff.num_waiting or any(ld.queued_tokens for ld in loads):
-            return
-        if any(i.adaptive is not None and next(i.adaptive.unstarted(), None) is not None
-               for i in self.instances.values()):
-            return
-        incoming = {ld.instance_id: self.handoff.receiving(ld.instance_id) for ld in loads}
-        loads = [replace(ld, num_decodes=ld.num_decodes + incoming[ld.instance_id]) for ld in loads]
-        src = max(loads, key=lambda ld: (ld.num_decodes, ld.instance_id))
-        dst = min(loads, key=lambda ld: (ld.num_decodes, ld.instance_id))
-        if src.num_decodes - dst.num_decodes < 2:
-            return
-        inst = self.instances[src.instance_id]
-        rest = sorted(((max(1.0, expected_output(r) - r.num_output_tokens), r)
-                       for r in inst.adaptive.running_decodes()), key=lambda m: -m[0])
-        moves = [(left, blocks_needed(r.num_tokens + 1, dst.block_size)) for left, r in rest]
-        n = self.placement.rebalance_count(src, dst, moves)
-        for rid in inst.migrate_decodes({r.request_id for _, r in rest[:n]}):
-            self._moving[rid] = (dst.instance_id, self.requests[rid].epoch)
-
-    def _keeps(self, instance: Instance, req: Request) -> bool:
-        """Adaptive: whether a prefill instance keeps a prompt it just prefilled and decodes it
-        (``Placement.keep_local``); a draining instance keeps nothing."""
-        if instance.adaptive is None or req.num_output_tokens != 1:
-            return False  # a migrating decode (more tokens) must leave
-        loads = {ld.instance_id: ld for ld in self.entry_loads()}
-        src = loads.get(instance.id)
-        if src is None:
-            return False
-        need = predicted_total_blocks(req, src.block_size)
-        return self.placement.keep_local(src, [ld for ld in loads.values() if ld.role == "decode"], need,
-                                         expected_output(req))
 
     def _check_capacity(self, req: Request) -> None:
         """Refuse, before the request enters the table, what no instance's KV pool could ever hold."""
@@ -495,27 +388,27 @@ class Cluster:
             handle = self.requests.get(req.request_id)
             if handle is None or handle.phase == "done":
                 continue
-            moving = self._moving.pop(req.request_id, None)
+            moving = self.placer.moving.pop(req.request_id, None)
             if moving is not None and moving[1] == handle.epoch:  # a rebalance's move
                 dst = self.instances.get(moving[0])
                 if dst is None:  # removed since: it decodes here again
                     instance.keep_kv(req.request_id)
                     continue
                 handle.phase = "transfer"
-                self._migrating.add(req.request_id)  # from now, not when the task first runs
+                self.placer.migrating.add(req.request_id)  # from now, not when the task first runs
                 self.spawn(self._migrate(instance, handle, dst))
                 continue
-            if self._keeps(instance, req):
+            if self.placer.keeps(instance, req):
                 instance.keep_kv(req.request_id)
                 handle.phase, handle.decode_instance = "decode", instance.id
-                self.placements["kept"] += 1
+                self.placer.placements["kept"] += 1
                 continue
             handle.phase = "transfer"
             self.spawn(self._handoff(instance, handle))
         if self.cfg.mode == "adaptive":
-            self._late_bind(instance)
+            self.placer.late_bind(instance)
             if self.cfg.rebalance:
-                self._rebalance()
+                self.placer.rebalance()
 
     def on_failure(self, instance: Instance, why: str) -> None:
         self.lifecycle.on_failure(instance, why)
@@ -541,9 +434,9 @@ class Cluster:
     async def _migrate(self, src: Instance, handle: RequestHandle, dst: Instance) -> None:
         try:
             if await self.handoff.migrate(src, handle, dst):
-                self.placements["moved"] += 1
+                self.placer.placements["moved"] += 1
         finally:
-            self._migrating.discard(handle.request.request_id)
+            self.placer.migrating.discard(handle.request.request_id)
 
     def finish(self, handle: RequestHandle, reason: str, error: Optional[str] = None) -> None:
         req = handle.request
@@ -571,7 +464,3 @@ class Cluster:
 
     def total_blocks(self) -> dict[str, int]:
         return {iid: inst.blocks.num_blocks for iid, inst in self.instances.items()}
-
-
-def _fits(request: Optional[Request], free_blocks: int, block_size: int) -> bool:
-    return request is not None and blocks_needed(request.num_tokens + 1, block_size) <= free_blocks

@@ -92,7 +92,7 @@ class SystemRun:
     predictor: Optional[dict] = None  # the online length predictor over the trace's requests (not warm-up)
     wall_s: Optional[float] = None  # host seconds the replay took (a simulated one runs faster than its clock)
     # adaptive: prompts placed on each role, prefilled requests kept where prefilled, prompts taken
-    # by another instance before they started (cluster.py, _late_bind)
+    # by another instance before they started (aserve/cluster/adaptive.py, AdaptivePlacer.late_bind)
     placements: Optional[dict] = None
     vllm: dict = field(default_factory=dict)  # over HTTP: vllm bench serve's fields (aserve/replay/vllm_names.py)
     devices: Optional[int] = None  # devices the system ran on (None: its instances, where known)
