@@ -114,6 +114,7 @@ def test_real_run_on_a_tiny_model(tiny_model):
 def test_saved_budget_is_the_sarathi_default(tmp_path):
     from aserve.commands import build_parser
     from aserve.commands.common import engine_config
+    from aserve.devices.measured import resolve
     from aserve.profiles.cost_model import CostModel
     from aserve.profiles.device_profile import PROFILE_VERSION, machine
     from aserve.profiles.profile_store import save_cost_model, save_token_budget, token_budget
@@ -125,7 +126,8 @@ def test_saved_budget_is_the_sarathi_default(tmp_path):
     base = ["bench", "swap-int8", "--cache-dir", cache, "--threads"]
 
     def budget(*flags: str) -> int:
-        return engine_config(build_parser().parse_args(base + list(flags)), context=512).max_num_batched_tokens
+        engine = engine_config(build_parser().parse_args(base + list(flags)), context=512)
+        return resolve(engine)[0].max_num_batched_tokens  # the start-up step that measures what is unset
 
     assert budget("7") == 384
     assert budget("7", "--batching", "alise") == 384  # alise chunks within the same budget

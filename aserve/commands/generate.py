@@ -5,7 +5,6 @@ import argparse
 import sys
 
 from aserve.commands.common import add_cluster_args, add_engine_args, engine_and_cluster, engine_config, sampling_from
-from aserve.devices.measured import resolve
 
 
 def register(subparsers) -> None:
@@ -37,6 +36,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
             raise ValueError("--chat without a prompt is interactive: use --mode offline")
         print(_generate_cluster(a, sp))
         return 0
+    from aserve.devices.measured import resolve
+
     llm = LLM(resolve(engine_config(a))[0])
     if a.prompt is not None:
         out = llm.generate([a.prompt], sp, chat=a.chat)[0]
