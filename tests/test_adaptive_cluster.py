@@ -127,7 +127,10 @@ def join_when_all_decode(added):
     return join
 
 
-@pytest.mark.parametrize("rebalance,quiet_s", [(True, 0.0), (True, 1e6), (False, 0.0)])
+# the two cases where nothing may move are long (26-32 s each on two cores): make test keeps the one
+# that moves decodes, and the unit tier's control-plane drill covers the quiet time on virtual time
+@pytest.mark.parametrize("rebalance,quiet_s", [(True, 0.0), pytest.param(True, 1e6, marks=pytest.mark.long),
+                                               pytest.param(False, 0.0, marks=pytest.mark.long)])
 def test_rebalance_moves_decodes_to_the_idle_instance_without_changing_a_token(default_bundle_fp32, offline_long,
                                                                                rebalance, quiet_s):
     """Off, or while requests arrived within the quiet time, the idle instance takes none."""
