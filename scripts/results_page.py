@@ -463,9 +463,11 @@ def render_goodput(d: dict, plot: Callable):
                + "; ".join(f"at {c}: {said(c, True)}" for c in corners)
                + (f". On the held-out {', '.join(held)} trace: " + "; ".join(f"{c}: {said(c, False)}" for c in corners)
                   if held else "")
-               + ". Disaggregation leads where the token gap is tight and coupled serving where TTFT is, as DistServe "
-               "and Sarathi-Serve predict; at balanced SLOs coupled serving leads, unlike DistServe, because a V100 holds "
-               "too little OPT-13B KV for three decode devices to batch (the notes measure why).")
+               + ". The static split leads wherever the token gap is tight (its decode devices never see a prompt), "
+               "the coupled and adaptive systems wherever TTFT is, as DistServe and Sarathi-Serve predict; at balanced "
+               "SLOs the split is never best, unlike DistServe: a V100 holds too little OPT-13B KV for three decode "
+               "devices to batch well (the notes measure why, and show sarathi and adaptive ahead of the split at tight "
+               "TPOT too once their token budget is sized for that corner's token gap).")
     return t, plot(draw), reading
 
 
