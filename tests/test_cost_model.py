@@ -103,10 +103,12 @@ def test_command_line_defaults_come_from_the_profile(tmp_path):
     vllm = engine_config(build_parser().parse_args(["generate", "x", "--batching", "vllm"]))
     assert resolve(vllm)[0].max_num_batched_tokens == model_context(vllm) == 8192
     assert budget(args("--max-num-batched-tokens", "100")) == 100
-    engine, cluster = engine_and_cluster(args())
+    # (a context for the budget: without one it reads the model's window, which from this test's empty
+    # cache folder would mean unpacking the model's file into it first)
+    engine, cluster = engine_and_cluster(args(), 1000)
     assert cluster.chunk_size == mine.saturate_chunk() and resolve(engine, cluster) == (engine, cluster)
-    assert engine_and_cluster(args("--chunk-size", "48"))[1].chunk_size == 48
-    adaptive = engine_and_cluster(args("--mode", "adaptive", "--prefill", "1", "--decode", "1"))[1]
+    assert engine_and_cluster(args("--chunk-size", "48"), 1000)[1].chunk_size == 48
+    adaptive = engine_and_cluster(args("--mode", "adaptive", "--prefill", "1", "--decode", "1"), 1000)[1]
     assert adaptive.placement_step_s == mine.linear(1) and adaptive.placement_decode_row_s > 0
     assert cluster.placement_step_s == 0.01  # other modes never read them: the fixed defaults
     save_token_budget(cache, "default", "cpu", "auto", 1, 384)  # what 'profile token-budget' saved wins

@@ -48,6 +48,7 @@ def drill(workload, during, after_tokens=40, then=None):
     asyncio.run(main())
 
 
+@pytest.mark.long  # its logic on virtual time: test_control_plane's twin (unit tier)
 def test_killed_decode_instance_loses_no_request(workload):
     async def kill(cl):
         assert cl.instances["d2"].num_requests > 0, "the drill must hit a busy instance"
@@ -112,6 +113,7 @@ def test_on_failure_error_ends_a_killed_instances_requests_with_its_reason(workl
     asyncio.run(main())
 
 
+@pytest.mark.long  # its logic on virtual time: test_control_plane's twin (unit tier)
 def test_no_instance_left_ends_requests_with_a_clear_error(workload):
     bundle, ids, _ = workload
 
