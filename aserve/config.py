@@ -124,6 +124,19 @@ class ClusterConfig:
     placement_prefill_token_s: Optional[float] = 1e-3  # seconds a prompt token adds to a step
     placement_decode_row_s: Optional[float] = 1e-3  # seconds a decode row adds to a step
     interference: float = 0.2  # weight of running decodes' slowdown against a prompt's wait
+    # adaptive: prefill-role instances' own token budget (TaiChi's prefill-heavy instances: their
+    # decodes are few, so their steps may be as long as the token gap allows). None: the engine's
+    # budget. prefill_tbt_slo: the step seconds it is sized for at start-up (aserve/devices/measured.py)
+    prefill_token_budget: Optional[int] = None
+    prefill_tbt_slo: Optional[float] = None
+    # adaptive: the TTFT SLO in force as (seconds, a, b): limit = seconds + a x prefill + b x step, which
+    # slo_placement places by (a prompt goes where its TTFT keeps placement_slack of the limit with the
+    # least harm; scheduling/placement.py) and slo_order queues by (each instance admits prompts by TTFT
+    # deadline, those past it last; scheduling/hybrid.py)
+    ttft_slo: Optional[tuple] = None
+    slo_placement: bool = False
+    slo_order: bool = False
+    placement_slack: float = 0.5
     keep_margin: Optional[int] = None  # None: keep unless a hand-over pays (priced); N: unless it decodes N more
     prompt_first: bool = False  # adaptive: prompts that end within the budget run in a step of their own
     rebalance: bool = True  # adaptive: with no prompt queued, decodes move to the least busy instance by KV
@@ -183,6 +196,14 @@ class ClusterConfig:
             raise ValueError(f"transfer_retries must be >= 0, got {self.transfer_retries}")
         if self.rebalance_quiet_s < 0:
             raise ValueError(f"rebalance_quiet_s must be >= 0, got {self.rebalance_quiet_s}")
+        if self.prefill_token_budget is not None and self.prefill_token_budget < 1:
+            raise ValueError(f"prefill_token_budget must be >= 1, got {self.prefill_token_budget}")
+        if self.prefill_tbt_slo is not None and not self.prefill_tbt_slo > 0:
+            raise ValueError(f"--prefill-tbt-slo must be > 0 seconds, got {self.prefill_tbt_slo}")
+        if (self.slo_placement or self.slo_order) and self.ttft_slo is None:
+            raise ValueError("slo_placement and slo_order need the TTFT SLO in force (ttft_slo)")
+        if not 0 < self.placement_slack <= 1:
+            raise ValueError(f"--slo-slack must be in (0, 1], got {self.placement_slack}")
         if self.keep_margin is not None and self.keep_margin < 0:
             raise ValueError(f"keep_margin must be >= 0, got {self.keep_margin}")
         kind, sep, address = self.backend.partition(":")

@@ -20,6 +20,8 @@ them: in admission order while they fit the budget, one longer than the budget a
 the one ``aserve profile token-budget`` (or the measured cost model) finds for the TBT SLO, so
 a decode never waits for a whole prompt. Admission and preemption are the decode scheduler's:
 greedy, preempting the newest running request (a prompt mid-way is recomputed from its start).
+With ``deadline_order`` (``--slo-order``) waiting prompts are admitted by TTFT deadline instead
+of arrival (``_next_waiting``).
 """
 from __future__ import annotations
 
@@ -43,6 +45,9 @@ class HybridConfig:
     # None: off. N: a step's fixed time in prompt rows (step_s / prefill_token_s); admitted prompts
     # that end within the budget the decodes and N rows leave run first, in a step of their own
     prompt_first_rows: Optional[int] = None
+    # admit waiting prompts by TTFT deadline (Request.ttft_deadline), those past it after the rest;
+    # requests that have begun (preempted, handed over, migrated) first, in queue order, as before
+    deadline_order: bool = False
 
     def __post_init__(self):
         if self.token_budget < 1 or self.min_chunk < 1:
@@ -79,9 +84,10 @@ class HybridScheduler(DecodeScheduler):
     def as_adaptive(self) -> "HybridScheduler":
         return self
 
-    def set_hand_over(self, hand_over: bool) -> None:
-        """A flip: from now on finished prompts are handed over (prefill role) or kept (decode)."""
-        self.hybrid = replace(self.hybrid, hand_over=hand_over)
+    def set_hand_over(self, hand_over: bool, token_budget: Optional[int] = None) -> None:
+        """A flip: from now on finished prompts are handed over (prefill role) or kept (decode),
+        and steps hold the new role's ``token_budget`` (None: the same)."""
+        self.hybrid = replace(self.hybrid, hand_over=hand_over, token_budget=token_budget or self.hybrid.token_budget)
 
     # --- schedule -------------------------------------------------------------------------
     def _admit(self) -> list[tuple[int, int]]:
@@ -94,12 +100,31 @@ class HybridScheduler(DecodeScheduler):
         (sarathi: 85)."""
         swap_in: list[tuple[int, int]] = []
         while self._waiting and len(self._running) < self.config.max_running:
-            request = self._waiting[0]
+            request = self._next_waiting()
             keep_free = self.watermark_blocks if self._running else 0
             if self._missing(request) + keep_free > self.blocks.num_free or not (self.admits(request) or not self._running):
                 break
             self._start(request, swap_in)
         return swap_in
+
+    def _next_waiting(self) -> Request:
+        """The request admission considers next: the queue's head, or with ``deadline_order``
+        (earliest deadline first, an SLO's classic): requests that have begun, in queue order; then
+        prompts whose TTFT deadline is still ahead, earliest first; then those past theirs (they
+        miss it however soon they start: the ones that can still meet theirs go first), in queue
+        order. A request that cannot start still stops those behind it (no starvation)."""
+        if not self.hybrid.deadline_order:
+            return self._waiting[0]
+        now = self.clock.now()
+
+        def rank(item):
+            i, r = item
+            if r.output_token_ids or r.ttft_deadline is None:
+                return (0, 0.0, i)
+            late = r.ttft_deadline < now
+            return (2, 0.0, i) if late else (1, r.ttft_deadline, i)
+
+        return min(enumerate(self._waiting), key=rank)[1]
 
     def _rows(self) -> tuple:
         """Decodes one row each; prompt chunks share what the budget leaves, in admission order.

@@ -47,6 +47,14 @@ perf/$ counts), so that move must save more than that too: 2 · (decodes_src - 1
 > step_s, roughly. On this CPU (a row ~0.3 of a step) three decodes are enough; on a V100 with
 OPT-13B (a row ~3% of a step) it takes twenty.
 
+SLO-driven placement (issue 55; ``slo_placement``, with the TTFT SLO in force as ``ttft_slo``):
+a prompt's TTFT limit is a multiple of its unloaded prefill plus decode steps (the corner's rule,
+aserve/replay/slo.py, on these costs); of the instances where its estimated ``ttft`` keeps
+``slack`` of that limit, it goes to the one whose running decodes its chunks slow least
+(``harm``), so prompts stay on the prefill-heavy side while its queue allows and spill to the
+decode-heavy instances only when waiting there would spend the prompt's slack (TaiChi's rule);
+where none keeps the slack, the cheapest by ``cost`` as above. Late binding keeps the same rule.
+
 The default ``interference`` 0.2 comes from real pairs against sarathi on all six workloads (the
 five synthetic ones and the Azure conversation trace: the tuning set; the Azure code trace is
 only reported on, docs/notes/goodput.md) and a sweep at sarathi's own minutes on ``sim:`` (docs/notes/adaptive.md, "The other four workloads at
@@ -88,13 +96,26 @@ class PlacementConfig:
     interference: float = 0.2  # weight of the decodes' slowdown against the prompt's own wait
     min_chunk: int = 16  # prompt tokens a hybrid step carries at least
     keep_margin: Optional[int] = None  # None: priced (keep_local); N: keep unless it decodes N more
+    prefill_token_budget: Optional[int] = None  # prefill-role instances' own budget (None: token_budget)
+    # the TTFT SLO in force, (seconds, a, b): limit(P) = seconds + a x prefill(P) + b x step, with
+    # prefill(P) = step_s + P x prefill_token_s (the unloaded prompt); None: none known
+    ttft_slo: Optional[tuple] = None
+    slo_placement: bool = False  # place by TTFT slack (choose, takes); False: by cost alone
+    slack: float = 0.5  # share of a prompt's TTFT limit its estimated TTFT may use where it harms fewer decodes
 
     def __post_init__(self):
         for name in ("step_s", "prefill_token_s", "decode_row_s", "interference"):
             if getattr(self, name) < 0:
                 raise ValueError(f"placement {name} must be >= 0, got {getattr(self, name)}")
-        if self.token_budget < 1 or self.min_chunk < 1 or (self.keep_margin is not None and self.keep_margin < 0):
+        if (self.token_budget < 1 or self.min_chunk < 1 or (self.keep_margin is not None and self.keep_margin < 0)
+                or (self.prefill_token_budget is not None and self.prefill_token_budget < 1)):
             raise ValueError(f"placement token_budget and min_chunk must be >= 1, got {self}")
+        if self.ttft_slo is not None and (len(self.ttft_slo) != 3 or min(self.ttft_slo) < 0 or not any(self.ttft_slo)):
+            raise ValueError(f"placement ttft_slo is (seconds, a, b), each >= 0 and not all 0, got {self.ttft_slo}")
+        if not 0 < self.slack <= 1:
+            raise ValueError(f"placement slack must be in (0, 1], got {self.slack}")
+        if self.slo_placement and self.ttft_slo is None:
+            raise ValueError("placement slo_placement needs the TTFT SLO (ttft_slo)")
 
 
 class Placement:
@@ -105,7 +126,12 @@ class Placement:
 
     def share(self, load: EntryLoad) -> int:
         """Prompt tokens one of the instance's steps carries beside its decodes."""
-        return max(self.config.min_chunk, self.config.token_budget - load.num_decodes)
+        return max(self.config.min_chunk, self.budget(load.role) - load.num_decodes)
+
+    def budget(self, role: str) -> int:
+        """Rows of one step of a ``role`` instance."""
+        c = self.config
+        return c.prefill_token_budget or c.token_budget if role == "prefill" else c.token_budget
 
     def ttft_s(self, load: EntryLoad, num_prompt_tokens: int) -> float:
         """Seconds until the prompt's last chunk has run there."""
@@ -120,14 +146,46 @@ class Placement:
     def cost_s(self, load: EntryLoad, num_prompt_tokens: int) -> float:
         return self.ttft_s(load, num_prompt_tokens) + self.config.interference * self.harm_s(load, num_prompt_tokens)
 
+    def ttft_limit_s(self, num_prompt_tokens: int) -> Optional[float]:
+        """The prompt's TTFT limit under the SLO in force (None: none)."""
+        if self.config.ttft_slo is None:
+            return None
+        c = self.config
+        seconds, a, b = c.ttft_slo
+        return seconds + a * (c.step_s + num_prompt_tokens * c.prefill_token_s) + b * c.step_s
+
     def choose(self, loads: Sequence[EntryLoad], num_prompt_tokens: int) -> Optional[EntryLoad]:
-        """The cheapest instance that can hold the prompt's KV now (a prefill instance queues
-        it in any case); None if there is none."""
+        """The instance that can hold the prompt's KV now (a prefill instance queues it in any
+        case) where it costs least; None if there is none. With ``slo_placement`` (the TTFT SLO known): of the
+        instances where the estimated TTFT keeps ``slack`` of the limit, the one whose running
+        decodes its chunks slow least (``harm_s``; then the sooner TTFT), so prompts stay off the
+        decode-heavy instances while the prefill side's queue allows; where none keeps it, the
+        cheapest (the prompt's own wait first)."""
         need = blocks_needed(num_prompt_tokens + 1, loads[0].block_size) if loads else 0
         fit = [ld for ld in loads if ld.role == "prefill" or ld.free_blocks >= need]
         if not fit:
             return None
+        limit = self.ttft_limit_s(num_prompt_tokens) if self.config.slo_placement else None
+        if limit is not None:
+            ttft = {ld.instance_id: self.ttft_s(ld, num_prompt_tokens) for ld in fit}
+            ok = [ld for ld in fit if ttft[ld.instance_id] <= self.config.slack * limit]
+            if ok:
+                return min(ok, key=lambda ld: (self.harm_s(ld, num_prompt_tokens), ttft[ld.instance_id],
+                                               ld.role != "prefill", ld.instance_id))
         return min(fit, key=lambda ld: (self.cost_s(ld, num_prompt_tokens), ld.role != "prefill", ld.instance_id))
+
+    def takes(self, taker: EntryLoad, there: EntryLoad, num_prompt_tokens: int) -> bool:
+        """Late binding: whether ``taker`` takes over an unstarted prompt waiting at ``there``
+        (``queued_tokens``: only the work ahead of it): where it costs a step less here. With
+        ``slo_placement``, a prompt whose chunks would slow more decodes here moves only once its wait
+        there no longer keeps ``slack`` of its limit (``choose``'s rule, kept after arrival)."""
+        n = num_prompt_tokens
+        if self.cost_s(taker, n) + self.config.step_s >= self.cost_s(there, n):
+            return False
+        limit = self.ttft_limit_s(n) if self.config.slo_placement else None
+        if limit is None or self.harm_s(taker, n) <= self.harm_s(there, n):
+            return True
+        return self.ttft_s(there, n) > self.config.slack * limit
 
     def prompt_work_s(self, load: EntryLoad) -> float:
         """Prompt seconds in each of the instance's coming steps (its queued chunks, within its share)."""

@@ -98,6 +98,9 @@ class Request:
     # from this request's own prefill (aserve/predict/online.py, "prefill features")
     feature_layer: int = 0
     num_preemptions: int = 0
+    # clock seconds by which its first token meets the TTFT SLO in force (adaptive placement sets it;
+    # an instance with deadline order admits prompts by it: scheduling/hybrid.py); None: none known
+    ttft_deadline: Optional[float] = None
     # timestamps (clock seconds): scheduled, first_token, finish; token_times has one per output token
     times: dict = field(default_factory=dict)
     token_times: list[float] = field(default_factory=list)

@@ -29,7 +29,9 @@ class AdaptivePlacer:
         self.rebalance_quiet_s = cfg.rebalance_quiet_s
         self.placement = Placement(PlacementConfig(
             engine.max_num_batched_tokens, cfg.placement_step_s, cfg.placement_prefill_token_s,
-            cfg.placement_decode_row_s, cfg.interference, keep_margin=cfg.keep_margin))
+            cfg.placement_decode_row_s, cfg.interference, keep_margin=cfg.keep_margin,
+            prefill_token_budget=cfg.prefill_token_budget, ttft_slo=cfg.ttft_slo,
+            slo_placement=cfg.slo_placement, slack=cfg.placement_slack))
         # where prompts went (and decodes a rebalance moved)
         self.placements = {"prefill": 0, "decode": 0, "kept": 0, "taken": 0, "moved": 0}
         self.moving: dict[str, tuple[str, int]] = {}  # rebalance: request id -> (to, epoch)
@@ -48,6 +50,9 @@ class AdaptivePlacer:
     def place(self, handle: RequestHandle) -> bool:
         """Adaptive: the instance where the prompt (or a re-run's prompt + output) costs least."""
         req = handle.request
+        limit = self.placement.ttft_limit_s(len(req.prompt_token_ids))
+        if limit is not None and req.ttft_deadline is None:  # what --slo-order queues it by, where it lands
+            req.ttft_deadline = req.arrival_time + limit
         chosen = self.placement.choose(self.entry_loads(), req.num_tokens)
         if chosen is None:
             return False
@@ -85,8 +90,7 @@ class AdaptivePlacer:
             ahead, moving = other.adaptive.num_started_tokens, []
             for req in other.adaptive.unstarted():
                 need, n = blocks_needed(req.num_tokens + 1, mine.block_size), req.num_tokens
-                waits = self.placement.cost_s(replace(there, queued_tokens=ahead), n)
-                if mine.free_blocks < need or self.placement.cost_s(mine, n) + self.placement.config.step_s >= waits:
+                if mine.free_blocks < need or not self.placement.takes(mine, replace(there, queued_tokens=ahead), n):
                     break
                 moving.append(req.request_id)
                 mine = replace(mine, queued_tokens=mine.queued_tokens + n, free_blocks=mine.free_blocks - need)

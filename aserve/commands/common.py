@@ -5,12 +5,15 @@ or the environment. A hardware-dependent setting left to its default (``--chunk-
 ``--max-num-batched-tokens``, ``--placement-costs``) stays unset (None) here, and is measured in
 one start-up step, ``aserve/devices/measured.resolve`` (which ``Cluster`` runs, and
 ``engine_and_cluster`` for a command that prints the settings first); the module doc says how.
+What the SLO in force sets (the token budgets it sizes, SLO placement) is aserve/commands/slo_budget.py.
 """
 from __future__ import annotations
 
 import argparse
 import json
 from typing import Optional
+
+from aserve.commands.slo_budget import engine_tbt, prefill_tbt_arg, slo_cluster, tbt_slo_arg
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -31,10 +34,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step (default: sarathi, alise: the largest meeting --tbt-slo on this "
                         "machine's measured engine, or the one 'aserve profile token-budget' saved; vllm: the "
                         "model's context length)")
-    g.add_argument("--tbt-slo", type=float, default=None,
-                   help="time-between-tokens SLO, seconds, the token budget is sized for (default: 5x a "
-                        "decode-only step of 32 requests at the workload's longest context, Sarathi-Serve's "
-                        "strict SLO)")
+    g.add_argument("--tbt-slo", type=tbt_slo_arg, default=None, metavar="gap|tpot|device|SECONDS",
+                   help="the longest step, seconds, the token budget is sized for (Sarathi-Serve's rule: 32 decodes "
+                        "beside a chunk at the workload's longest context), from the SLO in force (--slo): gap = its "
+                        "token-gap limit (a step is a token's gap; else TPOT), tpot = the smaller of its TPOT and gap "
+                        "limits (every step within the mean); device = 5x a 32-decode step (Sarathi-Serve's strict "
+                        "SLO, the rule without an SLO). Default: gap for a chunked system (sarathi, alise, adaptive) "
+                        "where an SLO is in force (serve: always), else device")
     g.add_argument("--max-num-seqs", type=int, default=256, help="requests in one batch at most")
     g.add_argument("--batching", default="sarathi", help="coupled batching policy: sarathi | vllm | alise")
     g.add_argument("--swap-gb", type=float, default=0.25, help="host swap space for preempted KV, GiB")
@@ -135,6 +141,22 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                    help="adaptive: the step costs placement prices with (a step's fixed seconds, a prompt token's, a "
                         "decode row's) instead of deriving them from the measured engine (or sim: profile): to "
                         "replay on sim: the choices a real run made (its report's config has them)")
+    g.add_argument("--prefill-tbt-slo", type=prefill_tbt_arg, default=None, metavar="gap|tpot|same|SECONDS",
+                   help="adaptive: the longest step the prefill-role instances' own token budget is sized for "
+                        "(TaiChi's prefill-heavy instances: few decodes ride there; a step with none runs its prompts "
+                        "whole): gap, tpot, SECONDS as --tbt-slo; same = the engine's budget. Default: gap where the "
+                        "engine's budget is sized for the SLO, else same")
+    g.add_argument("--slo-placement", action=argparse.BooleanOptionalAction, default=None,
+                   help="adaptive: place each prompt, among the instances where its estimated TTFT keeps "
+                        "--slo-slack of the SLO's TTFT limit, where its chunks slow the fewest running decodes "
+                        "(else where it costs least), and late-bind by the same rule (scheduling/placement.py). "
+                        "Default: on wherever the SLO in force has a TTFT limit (serve: always), else off")
+    g.add_argument("--slo-order", action=argparse.BooleanOptionalAction, default=False,
+                   help="adaptive: each instance admits waiting prompts by TTFT deadline (arrival + the SLO's TTFT "
+                        "limit), those already past theirs after those that can still meet it; requests already "
+                        "started (preempted, handed over) first as before (scheduling/hybrid.py)")
+    g.add_argument("--slo-slack", type=float, default=0.5,
+                   help="--slo-placement: the share of a prompt's TTFT limit its estimated TTFT may use")
     g.add_argument("--no-flip-migrate", action="store_true",
                    help="adaptive: a decode instance turning prefill keeps its decodes instead of moving them out "
                         "by KV migration")
@@ -158,12 +180,15 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                         "(cores/N of a core each, an idle instance's share is lost), as on GPUs")
 
 
-def engine_and_cluster(a: argparse.Namespace, context: Optional[int] = None):
+def engine_and_cluster(a: argparse.Namespace, context: Optional[int] = None, slo=None):
     """The command line's engine and cluster, with the measured defaults resolved in one start-up
-    step (aserve/devices/measured.py; the device's profile is measured here if never before)."""
+    step (aserve/devices/measured.py; the device's profile is measured here if never before);
+    ``slo`` (an ``aserve.replay.slo.Slo``): the SLO in force, which sizes the token budgets
+    (``--tbt-slo``, ``--prefill-tbt-slo``)."""
     from aserve.devices.measured import resolve
 
-    return resolve(engine_config(a, context), cluster_config(a))
+    engine = engine_config(a, context, slo=slo)
+    return resolve(engine, slo_cluster(a, slo, context, engine, cluster_config(a)))
 
 
 def instance_threads(a: argparse.Namespace) -> int:
@@ -242,20 +267,22 @@ def cluster_config(a: argparse.Namespace):
                          actor_start_timeout_s=a.actor_start_timeout, seed=a.seed)
 
 
-def engine_config(a: argparse.Namespace, context: Optional[int] = None, derive: bool = True):
+def engine_config(a: argparse.Namespace, context: Optional[int] = None, derive: bool = True, slo=None):
     """The command line's engine; an unset token budget is left to be measured at start-up
     (``context``: the longest prompt + output the workload reaches, which replays know; the budget
-    holds its SLO there, default the model's context window). ``derive=False`` (the engine
-    benchmarks, which time fixed shapes) leaves an unset budget at 512 unmeasured."""
+    holds its SLO there, default the model's context window; ``slo``: the SLO in force, which
+    ``--tbt-slo``'s default sizes it for). ``derive=False`` (the engine benchmarks, which time
+    fixed shapes) leaves an unset budget at 512 unmeasured."""
     from aserve.config import EngineConfig
     from aserve.profiles.profile_store import DEFAULT_TOKEN_BUDGET
 
     budget = a.max_num_batched_tokens
     if budget is None and not derive:
         budget = DEFAULT_TOKEN_BUDGET
+    tbt = engine_tbt(a, slo, context) if budget is None else (a.tbt_slo if isinstance(a.tbt_slo, float) else None)
     return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention, kernels=a.kernels,
                         block_size=a.block_size,
-                        kv_cache_gb=a.kv_cache_gb, max_num_batched_tokens=budget, tbt_slo=a.tbt_slo,
+                        kv_cache_gb=a.kv_cache_gb, max_num_batched_tokens=budget, tbt_slo=tbt,
                         budget_context=context,
                         max_num_seqs=a.max_num_seqs, batching=a.batching, swap_gb=a.swap_gb,
                         swap_dtype=a.swap_dtype, num_threads=a.threads, enforce_eager=a.enforce_eager,

@@ -30,6 +30,22 @@ def _check(a: argparse.Namespace) -> None:
         raise ValueError(f"--rate-start must be > 0 req/s, got {a.rate_start}")
 
 
+def budget_line(spec) -> str:
+    """A system's token budget and what sized it (the SLO in force, a --tbt-slo, or the device's rule)."""
+    e, c = spec.engine, spec.cluster
+    if e.batching == "vllm" and c.mode == "coupled" or c.mode == "disagg":
+        return f"token budget {e.max_num_batched_tokens} (no chunked steps beside decodes to size)"
+    line = f"token budget {e.max_num_batched_tokens}" + (
+        f" (steps <= {e.tbt_slo * 1000:.0f} ms)" if e.tbt_slo else " (the device's rule: 5x a 32-decode step)")
+    if c.mode == "adaptive" and c.prefill_token_budget:
+        line += f", prefill instances {c.prefill_token_budget} (steps <= {c.prefill_tbt_slo * 1000:.0f} ms)"
+    if c.mode == "adaptive" and c.slo_placement:
+        line += f", placement by TTFT slack {c.placement_slack:g}"
+    if c.mode == "adaptive" and c.slo_order:
+        line += ", prompts by TTFT deadline"
+    return line
+
+
 def run_goodput_command(a: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -62,7 +78,7 @@ def run_goodput_command(a: argparse.Namespace) -> int:
         return fit(raw, fit_options(a, context, rate=rate, time_scale=1.0), str(a.trace))
 
     first = fitted(None)
-    specs = build_specs(items, first.longest_context)
+    specs = build_specs(items, first.longest_context, slo)
     for line in predictor_lines(items):
         console.print(line, highlight=False)
     sim = is_sim(specs[0].engine)
@@ -76,6 +92,8 @@ def run_goodput_command(a: argparse.Namespace) -> int:
                      run_virtual if sim else run_loop, twin, a.timeout, a.progress)
     requests = prepare(job, a.trace)
     console.print(slo.describe(requests), highlight=False)
+    for spec in specs:
+        console.print(f"{spec.name}: {budget_line(spec)}", highlight=False)
     for hint in budget_hints(specs, slo, requests):
         console.print(f"[yellow]note[/yellow] {hint}", highlight=False)
     if a.estimate_only:

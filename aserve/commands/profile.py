@@ -65,8 +65,8 @@ def _engine(a: argparse.Namespace):
 def cmd_profile_budget(a: argparse.Namespace) -> int:
     from aserve.bench.token_budget import BudgetProfile, run_budget_profile
 
-    if a.tbt_slo is None:
-        raise ValueError("profile token-budget needs --tbt-slo SECONDS")
+    if not isinstance(a.tbt_slo, float):
+        raise ValueError("profile token-budget needs --tbt-slo SECONDS (a number: it measures for that step time)")
     prof = BudgetProfile(a.tbt_slo, a.decode_batch, a.context, a.tile, a.max_budget, a.repeats)
     run_budget_profile(_engine(a), prof, save=not a.no_save)
     return 0

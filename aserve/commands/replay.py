@@ -44,13 +44,14 @@ def parse_compare(text: str, base: argparse.Namespace, context: Optional[int] = 
     return build_specs(compare_items(text, base), context)
 
 
-def build_specs(items: list, context: Optional[int] = None) -> list:
-    """``(name, namespace)`` pairs -> SystemSpecs (a None name: the system's default name)."""
+def build_specs(items: list, context: Optional[int] = None, slo=None) -> list:
+    """``(name, namespace)`` pairs -> SystemSpecs (a None name: the system's default name);
+    ``slo``: the SLO in force, which sizes chunked systems' token budgets (``--tbt-slo``)."""
     from aserve.replay.driver import SystemSpec, default_name
 
     specs = []
     for name, ns in items:
-        engine, cluster = engine_and_cluster(ns, context)
+        engine, cluster = engine_and_cluster(ns, context, slo)
         specs.append(SystemSpec(name or default_name(engine, cluster), engine, cluster))
     return specs
 
@@ -256,7 +257,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
         (lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     trace = load_trace(a.trace, fit_options(a, context), count)
     prompts = builder.build(trace.requests)
-    specs = [] if a.url else build_specs(items, trace.longest_context)
+    specs = [] if a.url else build_specs(items, trace.longest_context, slo)
     if not a.url:
         for line in predictor_lines(items):
             print(line)

@@ -72,6 +72,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (then: abort)")
     s.add_argument("--tui", action="store_true", help="draw the live monitor in this terminal (docs/MONITOR.md)")
+    s.add_argument("--slo", default="balanced", metavar="CORNER|ttft:MS,tpot:MS",
+                   help="the SLO the server is run for, printed at start-up: a corner (balanced, tight-ttft, "
+                        "tight-tpot: multiples of the device's own unloaded costs, aserve/replay/slo.py) or limits "
+                        "(ttft:250,tpot:100, milliseconds); a chunked system's token budget is sized for it "
+                        "(--tbt-slo gap by default). Default: balanced")
     add_cluster_args(p, default_mode=SERVE_MODE)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve, predictor=None)  # None: serve_predictor.py picks, and says why
@@ -105,6 +110,39 @@ def server_settings(a: argparse.Namespace):
                           max_body_bytes=a.max_body_bytes, max_tokens=a.max_tokens,
                           max_request_tokens=a.max_request_tokens, max_logprob_entries=a.max_logprob_entries,
                           max_queued_requests=a.max_queued_requests, shutdown_timeout_s=a.shutdown_timeout)
+
+
+def serve_slo(a: argparse.Namespace):
+    """``--slo`` as an ``Slo``; a corner reads the device's unloaded costs (its profile, measured
+    once and cached) only where something needs them: the token budget sized for it."""
+    from aserve.commands.common import bundle_engine, instance_threads
+    from aserve.commands.slo_args import device_label
+    from aserve.devices.factory import device_cost
+    from aserve.replay.slo import UnloadedCosts, build_slo
+
+    return build_slo(a.slo, None, lambda: UnloadedCosts(lambda: device_cost(bundle_engine(a), instance_threads(a)),
+                                                        device_label(a)))
+
+
+def slo_line(a: argparse.Namespace, slo, engine, cluster) -> str:
+    """The start-up line: the SLO in force, its limits at the budget's context, and the budgets it sized."""
+    from aserve.commands.slo_budget import budget_context
+
+    parts = [f"{key} <= {term.text(key)}" for key, term in slo.terms]
+    line = f"SLO {slo.name} ({'; '.join(parts)})"
+    if slo.relative and slo.costs.resolved:
+        ctx = budget_context(a, None)
+        values = slo.limits(ctx // 2, ctx - ctx // 2)
+        line += f" on {slo.costs.device}; at {ctx} tokens of context: " + ", ".join(
+            f"{k} {v * 1000:.0f} ms" for k, v in values.items())
+    budget = f"token budget {engine.max_num_batched_tokens}"
+    if engine.tbt_slo is not None:
+        budget += f" (steps <= {engine.tbt_slo * 1000:.0f} ms"
+        budget += f", sized for this SLO's {a.tbt_slo or 'gap'})" \
+            if not isinstance(a.tbt_slo, float) else ", --tbt-slo)"
+    if cluster.mode == "adaptive" and cluster.prefill_token_budget:
+        budget += f", prefill instances {cluster.prefill_token_budget} (steps <= {cluster.prefill_tbt_slo * 1000:.0f} ms)"
+    return f"{line}; {budget}"
 
 
 def max_tokens_arg(value: str) -> Optional[int]:
@@ -149,13 +187,15 @@ def startup_notes(settings, host: str) -> list[str]:
 def cmd_serve(a: argparse.Namespace) -> int:
     serve_model(a)
     a.predictor, why = serve_predictor(a, parse_options(a.predictor_option, "predictor-option"))
-    (engine, cluster_cfg), settings = engine_and_cluster(a), server_settings(a)
+    slo = serve_slo(a)
+    (engine, cluster_cfg), settings = engine_and_cluster(a, slo=slo), server_settings(a)
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
     num = cluster_cfg.num_prefill + cluster_cfg.num_decode if cluster_cfg.split else cluster_cfg.num_coupled
     if num > settings.max_instances:
         raise ValueError(f"{num} instances asked for at start, more than --max-instances {settings.max_instances}")
     print(f"aserve: length predictor {a.predictor} ({why})", file=sys.stderr, flush=True)
+    print(f"aserve: {slo_line(a, slo, engine, cluster_cfg)}", file=sys.stderr, flush=True)
     run_loop(_serve(engine, cluster_cfg, settings, a.host, a.port, a.served_model_name, a.model, a.tui))
     return 0
 

@@ -6,10 +6,12 @@ them ``None`` ("measure") and ``resolve`` fills them in, once, before anything s
 - ``ClusterConfig.chunk_size``: the profile's saturate chunk (TetriInfer's ChunkSize), at the
   instances' threads;
 - ``EngineConfig.max_num_batched_tokens``: with vllm batching the model's context window; else the
-  budget ``aserve profile token-budget`` saved, else Sarathi-Serve's rule on the measured costs: the
+  budget ``aserve profile token-budget`` saved (unless ``tbt_slo`` is given), else Sarathi-Serve's rule on the measured costs: the
   most tokens a step may hold while a step of ``BUDGET_DECODE_BATCH`` decodes at
   ``EngineConfig.budget_context`` (default the model's context window) stays within
   ``EngineConfig.tbt_slo`` (default 5x that decode-only step);
+- ``ClusterConfig.prefill_token_budget`` (adaptive, where ``prefill_tbt_slo`` is set): the same
+  rule at that SLO, for the prefill-role instances (never below the engine's budget);
 - ``ClusterConfig.placement_*_s`` (adaptive placement's step costs): a step's fixed time, a prompt
   token's and a decode row's (32 rows at 512 tokens of context); other modes keep the fixed defaults,
   which they never read.
@@ -62,7 +64,12 @@ def model_context(engine: EngineConfig) -> int:
 
 def needs_measuring(engine: EngineConfig, cluster: Optional[ClusterConfig] = None) -> bool:
     return engine.max_num_batched_tokens is None or (cluster is not None and (
-        cluster.chunk_size is None or any(getattr(cluster, f) is None for f in PLACEMENT_FIELDS)))
+        cluster.chunk_size is None or any(getattr(cluster, f) is None for f in PLACEMENT_FIELDS)
+        or _prefill_budget_unset(cluster)))
+
+
+def _prefill_budget_unset(cluster: ClusterConfig) -> bool:
+    return cluster.mode == "adaptive" and cluster.prefill_tbt_slo is not None and cluster.prefill_token_budget is None
 
 
 def resolve(engine: EngineConfig, cluster: Optional[ClusterConfig] = None
@@ -88,6 +95,9 @@ def resolve(engine: EngineConfig, cluster: Optional[ClusterConfig] = None
             measured = _placement_costs(cost()) if cluster.mode == "adaptive" else {
                 f: getattr(_FIXED, f) for f in PLACEMENT_FIELDS}
             changes.update({f: v for f, v in measured.items() if getattr(cluster, f) is None})
+        if _prefill_budget_unset(cluster):
+            changes["prefill_token_budget"] = max(engine.max_num_batched_tokens, _sized_budget(
+                engine, cost(), cluster.prefill_tbt_slo))
         cluster = dataclasses.replace(cluster, **changes)
     return engine, cluster
 
@@ -97,13 +107,19 @@ def _token_budget(engine: EngineConfig, threads: int, cost) -> int:
         return model_context(engine)
     from aserve.profiles.profile_store import token_budget
 
-    saved = token_budget(engine.cache_dir, engine.model, engine.device, engine.dtype, threads)
+    # a saved budget was measured for its own SLO: one given now (--tbt-slo, or the SLO in force) sizes its own
+    saved = None if engine.tbt_slo else token_budget(engine.cache_dir, engine.model, engine.device, engine.dtype, threads)
     if saved:
         return saved
     c = cost()
     context = engine.budget_context or model_context(engine)
-    slo = engine.tbt_slo or c.decode_slo_s(BUDGET_DECODE_BATCH, context)
-    return c.token_budget(slo, BUDGET_DECODE_BATCH, context)
+    return _sized_budget(engine, c, engine.tbt_slo or c.decode_slo_s(BUDGET_DECODE_BATCH, context))
+
+
+def _sized_budget(engine: EngineConfig, c, slo_s: float) -> int:
+    """Sarathi-Serve's rule: the largest budget whose step beside ``BUDGET_DECODE_BATCH`` decodes
+    at the budget context stays within ``slo_s``."""
+    return c.token_budget(slo_s, BUDGET_DECODE_BATCH, engine.budget_context or model_context(engine))
 
 
 def _placement_costs(cost) -> dict:

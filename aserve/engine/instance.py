@@ -190,7 +190,7 @@ class Instance:
     def change_role_live(self, role: str) -> None:
         """An adaptive instance's flip: no drain, no new scheduler. Its requests stay; from now
         on its finished prompts are handed over (prefill) or decode here (decode)."""
-        self._adaptive().set_hand_over(role == "prefill")
+        self._adaptive().set_hand_over(role == "prefill", self.policies.role_budget(role))
         self.dispatcher = self.policies.dispatcher() if role == "prefill" else None
         self.role = role
         self.num_flips += 1

@@ -42,7 +42,9 @@ class Policies:
     batching_config: BatchingConfig = field(default_factory=BatchingConfig)
     adaptive: bool = False  # prefill and decode roles both run the hybrid scheduler
     token_budget: int = 512  # adaptive: rows of one hybrid step (the engine's max_num_batched_tokens)
+    prefill_token_budget: Optional[int] = None  # adaptive: the prefill role's own (None: token_budget)
     prompt_first_rows: Optional[int] = None  # adaptive: a step's fixed time in prompt rows, if prompts go first
+    deadline_order: bool = False  # adaptive: admit prompts by TTFT deadline (--slo-order)
 
     @staticmethod
     def from_configs(engine: EngineConfig, cluster: Optional[ClusterConfig] = None) -> "Policies":
@@ -59,6 +61,7 @@ class Policies:
                                        heavy_threshold=cluster.heavy_threshold),
             batching=engine.batching, batching_config=batching,
             adaptive=cluster.mode == "adaptive", token_budget=engine.max_num_batched_tokens,
+            prefill_token_budget=cluster.prefill_token_budget, deadline_order=cluster.slo_order,
             prompt_first_rows=_fixed_rows(cluster) if cluster.prompt_first else None)
 
     def scheduler(self, role: str, blocks: BlockManager, device: Device, clock: Clock) -> Scheduler:
@@ -71,9 +74,10 @@ class Policies:
             if config.preemption == "swap":
                 config = dataclasses.replace(config, num_swap_blocks=device.add_swap_space())
             if self.adaptive:
-                hybrid = HybridConfig(self.token_budget, hand_over=role == "prefill",
+                hybrid = HybridConfig(self.role_budget(role), hand_over=role == "prefill",
                                       watermark=self.batching_config.watermark,
-                                      prompt_first_rows=self.prompt_first_rows)
+                                      prompt_first_rows=self.prompt_first_rows,
+                                      deadline_order=self.deadline_order)
                 return registry.get("adaptive", "hybrid")(blocks, config, hybrid, clock)
             return registry.get("decode", self.decode)(blocks, config, clock)
         if role == "coupled":
@@ -83,6 +87,11 @@ class Policies:
                 return cls(blocks, self.batching_config, clock, host_blocks=host)
             return cls(blocks, self.batching_config, clock)
         raise ValueError(f"bad role {role!r}: choose one of {', '.join(ROLES)}")
+
+    def role_budget(self, role: str) -> int:
+        """Adaptive: the token budget of a ``role`` instance (TaiChi's sliders: prefill-heavy
+        instances may run longer steps than decode-heavy ones)."""
+        return self.prefill_token_budget or self.token_budget if role == "prefill" else self.token_budget
 
     def dispatcher(self) -> Dispatcher:
         return registry.get("dispatch", self.dispatch)(self.dispatch_config)

@@ -97,7 +97,20 @@ class UnloadedCosts:
     prefilled alone in one step, and a batch-1 decode step at a context."""
 
     def __init__(self, cost, device: str):
-        self.cost, self.device = cost, device
+        """``cost``: a cost model, or a function returning one, called on first need (``serve``
+        names its SLO at start-up without profiling a device whose settings are all given)."""
+        self._cost, self.device = cost, device
+
+    @property
+    def cost(self):
+        if not self.resolved:
+            self._cost = self._cost()
+        return self._cost
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the cost model is at hand (a function given for it has been called)."""
+        return not callable(self._cost)
 
     @functools.lru_cache(maxsize=8192)
     def prefill_s(self, prompt_tokens: int) -> float:
@@ -146,6 +159,19 @@ class Slo:
             ref = self.costs.prefill_s(prompt_tokens) if key == "ttft" else step
             out[key] = t.scale * ref + t.floor * step
         return out
+
+    def step_limit_s(self, context: int, keys: Sequence[str] = ("tpot", "token_gap")) -> Optional[float]:
+        """The longest step a request decoding at ``context`` may see in every one of its steps and
+        still keep each limit of ``keys`` present (a token gap is one step; TPOT is their mean, so
+        a step within it keeps it whatever the mix): the smallest of those limits, in seconds.
+        None when the SLO has none of ``keys``. What a token budget is sized for (Sarathi-Serve's
+        rule, with the SLO in force: ``aserve/commands/common.py``, ``--tbt-slo``)."""
+        limits = []
+        for key, t in self.terms:
+            if key not in keys:
+                continue
+            limits.append(t.seconds if not t.relative else (t.scale + t.floor) * self.costs.step_s(context))
+        return min(limits) if limits else None
 
     def describe(self, requests: Sequence) -> str:
         """One line: each limit's rule and what it works out to over these requests (lengths)."""
@@ -216,10 +242,13 @@ def _positive(value: float, what: str) -> float:
 
 
 def parse_slo_text(text: str) -> tuple[str, dict]:
-    """``--slo``: a corner name, or ``ttft=1,tpot=200ms`` (seconds, or ms with a suffix)."""
+    """``--slo``: a corner name, ``ttft=1,tpot=200ms`` (seconds, or ms with a suffix), or
+    ``ttft:250,tpot:100`` (vLLM's form, milliseconds)."""
     text = text.strip()
     if text in CORNERS:
         return text, dict(CORNERS[text])
+    if ":" in text and "=" not in text:
+        return "custom", parse_goodput([text])
     if "=" not in text:
         raise ValueError(f"unknown SLO corner {text!r}: use one of {', '.join(CORNERS)}, or limits like "
                          "ttft=1,tpot=200ms")

@@ -1,0 +1,138 @@
+"""The SLO as placement reads it (scheduling/placement.py, issue 55): per-role token budgets and
+TTFT-slack placement, on hand-made loads; pure, no torch, no cluster."""
+import pytest
+
+from scheduling.block_manager import BlockManager
+from scheduling.decode import DecodeConfig
+from scheduling.hybrid import HybridConfig, HybridScheduler
+from scheduling.placement import EntryLoad, Placement, PlacementConfig
+from scheduling.request import Request, SamplingParams
+
+# a V100-like device: 40 ms a step, 0.4 ms a prompt token, 1 ms a decode row
+COSTS = dict(token_budget=256, step_s=0.04, prefill_token_s=4e-4, decode_row_s=1e-3)
+BALANCED = (0.0, 3.0, 5.0)  # the balanced corner's TTFT: 3 x prefill + 5 x step
+
+
+def load(iid, role, queued=0, decodes=0, free=1000):
+    return EntryLoad(iid, role, queued, decodes, free, 16)
+
+
+def test_the_ttft_limit_is_the_corner_on_the_placement_costs():
+    place = Placement(PlacementConfig(**COSTS, ttft_slo=BALANCED, slo_placement=True))
+    assert place.ttft_limit_s(500) == pytest.approx(3 * (0.04 + 500 * 4e-4) + 5 * 0.04)
+    assert Placement(PlacementConfig(**COSTS, ttft_slo=(0.25, 0, 0))).ttft_limit_s(500) == 0.25
+    assert Placement(PlacementConfig(**COSTS)).ttft_limit_s(500) is None  # no SLO: by cost alone
+
+
+def test_a_prompt_stays_off_the_decodes_while_the_prefill_side_keeps_its_slack():
+    """By cost a 200-token prompt goes to the decode instance (its wait there is shorter than
+    behind the prefill queue); under the SLO it goes where it slows no decode, since the queue
+    still leaves it half its TTFT limit."""
+    cost, slo = Placement(PlacementConfig(**COSTS)), Placement(PlacementConfig(**COSTS, ttft_slo=BALANCED, slo_placement=True))
+    loads = [load("p0", "prefill", queued=200), load("d1", "decode", decodes=4)]
+    assert slo.ttft_s(loads[0], 200) <= 0.5 * slo.ttft_limit_s(200)
+    assert cost.choose(loads, 200).instance_id == "d1"
+    assert slo.choose(loads, 200).instance_id == "p0"
+
+
+def test_past_the_slack_the_cheapest_instance_takes_it():
+    slo = Placement(PlacementConfig(**COSTS, ttft_slo=BALANCED, slo_placement=True))
+    cost = Placement(PlacementConfig(**COSTS))
+    loads = [load("p0", "prefill", queued=4000), load("d1", "decode", decodes=4)]
+    assert slo.ttft_s(loads[0], 200) > 0.5 * slo.ttft_limit_s(200)
+    assert slo.choose(loads, 200).instance_id == cost.choose(loads, 200).instance_id == "d1"
+    # of two decode instances within the slack, the one with fewer decodes to slow
+    two = [load("p0", "prefill", queued=4000), load("d1", "decode", decodes=9), load("d2", "decode", decodes=3)]
+    assert slo.choose(two, 200).instance_id == "d2"
+    # a looser slack keeps it on the prefill side longer
+    loose = Placement(PlacementConfig(**COSTS, ttft_slo=BALANCED, slo_placement=True, slack=1.0))
+    mid = [load("p0", "prefill", queued=600), load("d1", "decode", decodes=4)]
+    assert loose.choose(mid, 200).instance_id == "p0" and slo.choose(mid, 200).instance_id == "d1"
+
+
+def test_late_binding_keeps_the_rule():
+    """A decode instance takes a waiting prompt by cost; under the SLO only once its wait where it
+    is no longer keeps the slack (then it still must cost a step less here)."""
+    cost, slo = Placement(PlacementConfig(**COSTS)), Placement(PlacementConfig(**COSTS, ttft_slo=BALANCED, slo_placement=True))
+    taker = load("d1", "decode", decodes=4)
+    short, long = load("p0", "prefill", queued=200), load("p0", "prefill", queued=4000)
+    assert cost.takes(taker, short, 200) and not slo.takes(taker, short, 200)
+    assert slo.takes(taker, long, 200)
+    # an instance with no more decodes to slow takes by cost alone; a dearer one never
+    assert slo.takes(load("p1", "prefill"), short, 200) == cost.takes(load("p1", "prefill"), short, 200) is True
+    assert not slo.takes(load("d2", "decode", queued=9000, decodes=4), short, 200)
+
+
+def test_prefill_instances_have_their_own_budget():
+    place = Placement(PlacementConfig(**{**COSTS, "prefill_token_budget": 1024}))
+    assert place.budget("prefill") == 1024 and place.budget("decode") == 256
+    assert place.share(load("p0", "prefill", decodes=24)) == 1000 and place.share(load("d1", "decode", decodes=6)) == 250
+    assert Placement(PlacementConfig(**COSTS)).budget("prefill") == 256  # None: the one budget
+
+
+@pytest.mark.parametrize("bad, match", [(dict(ttft_slo=(1.0, 2.0)), "ttft_slo is"), (dict(ttft_slo=(0, 0, 0)), "ttft_slo is"),
+                                        (dict(ttft_slo=(-1.0, 0, 0)), "ttft_slo is"), (dict(slack=0), "slack must be"),
+                                        (dict(slack=1.5), "slack must be"), (dict(prefill_token_budget=0), "token_budget"),
+                                        (dict(slo_placement=True), "needs the TTFT SLO")])
+def test_bad_slo_placement_settings_name_the_field(bad, match):
+    with pytest.raises(ValueError, match=match):
+        PlacementConfig(**bad)
+
+
+def test_a_flip_brings_the_new_roles_budget():
+    def req(rid, n):
+        return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=20, ignore_eos=True))
+
+    s = HybridScheduler(BlockManager(400, 16), DecodeConfig(), HybridConfig(token_budget=64, hand_over=True))
+    s.set_hand_over(False, 32)
+    assert s.hybrid.token_budget == 32 and not s.hybrid.hand_over
+    s.set_hand_over(True)  # no budget given: the same
+    assert s.hybrid.token_budget == 32 and s.hybrid.hand_over
+    s.set_hand_over(False)
+    s.add_request(req("d", 10))
+    s.update(plan := s.schedule(), _sampled(plan))  # one decode running now
+    s.add_request(req("long", 150))
+    assert s.schedule().num_real_tokens <= 32
+
+
+def _sampled(plan):
+    from scheduling.step import StepOutput
+
+    return StepOutput(sampled={q.request_id: 7 for q in plan.seqs if q.sampling is not None})
+
+
+def test_deadline_order_admits_prompts_by_ttft_deadline_late_ones_last():
+    from scheduling.clock import FakeClock
+
+    def req(rid, n, deadline=None):
+        r = Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=4, ignore_eos=True), arrival_time=0.0)
+        r.ttft_deadline = deadline
+        return r
+
+    clock = FakeClock(2.0)
+    edf = HybridScheduler(BlockManager(400, 16), DecodeConfig(), HybridConfig(token_budget=4096, deadline_order=True),
+                          clock)
+    fifo = HybridScheduler(BlockManager(400, 16), DecodeConfig(), HybridConfig(token_budget=4096), clock)
+    for s in (edf, fifo):
+        for r in (req("late", 40, 1.0), req("loose", 40, 9.0), req("tight", 40, 3.0), req("none", 40)):
+            s.add_request(r)
+        s.schedule()
+    assert fifo.running_ids == ["late", "loose", "tight", "none"]  # arrival order
+    # no deadline known: first, in queue order; then earliest deadline; the late one (1.0 < now 2.0) last
+    assert edf.running_ids == ["none", "tight", "loose", "late"]
+
+
+def test_deadline_order_admits_the_earliest_within_the_blocks():
+    """Earliest deadline first within the blocks there are: the later deadline waits for room."""
+    from scheduling.clock import FakeClock
+
+    clock = FakeClock(0.0)
+    s = HybridScheduler(BlockManager(8, 16), DecodeConfig(), HybridConfig(token_budget=4096, deadline_order=True),
+                        clock)
+    big = Request("big", list(range(1, 121)), SamplingParams(max_tokens=4, ignore_eos=True))  # 8 blocks
+    small = Request("small", list(range(1, 17)), SamplingParams(max_tokens=4, ignore_eos=True))
+    big.ttft_deadline, small.ttft_deadline = 1.0, 5.0
+    s.add_request(small)
+    s.add_request(big)
+    s.schedule()
+    assert s.running_ids == ["big"] and s.waiting_ids == ["small"]  # earliest deadline first, though second
