@@ -36,6 +36,9 @@ class EngineConfig:
     # CUDA: True runs every step eagerly; False replays decode steps as CUDA graphs captured at start
     # (aserve/devices/cuda_graphs.py; vLLM's flag of the same name)
     enforce_eager: bool = False
+    # automatic prefix caching (scheduling/prefix.py, vLLM's flag): full KV blocks are kept after
+    # their requests end, found by content (and cache_salt) and shared; evicted least recently used
+    enable_prefix_caching: bool = True
     cache_dir: Optional[str] = None
     seed: int = 0
 
@@ -139,6 +142,8 @@ class ClusterConfig:
     placement_slack: float = 0.5
     keep_margin: Optional[int] = None  # None: keep unless a hand-over pays (priced); N: unless it decodes N more
     prompt_first: bool = False  # adaptive: prompts that end within the budget run in a step of their own
+    # with prefix caching: placement counts each instance's cached prefix of the prompt (scheduling/placement.py)
+    prefix_aware_placement: bool = True
     rebalance: bool = True  # adaptive: with no prompt queued, decodes move to the least busy instance by KV
     rebalance_quiet_s: float = 10.0  # ... only once no request has arrived for this long
     on_failure: str = "rerun"  # rerun | error: what happens to a failed instance's requests

@@ -200,13 +200,17 @@ class AliseScheduler(CoupledScheduler):
                 break
             if req.request_id in step.evicted:
                 continue  # its KV just left to make room for a better-ranked job
+            shared = 0
             if not self._jobs[req.request_id].host_ids:
-                share_prefix(self.blocks, req)  # a sibling's prompt blocks, if published here
+                shared = share_prefix(self.blocks, req)  # cached (or a sibling's) prompt blocks, if here
             n = min(req.num_uncomputed_tokens, budget)
             if self._make_room(req, n, order[i + 1:], step):
                 step.plan[req.request_id] = n
                 budget -= n
                 selected.add(req.request_id)
+            elif shared and len(req.block_ids) == shared:  # left out: hold no cached block while waiting
+                self.blocks.free(req.block_ids)  # (a wait would otherwise swap them out to host)
+                req.block_ids, req.num_computed_tokens = [], 0
         return selected
 
     def _make_room(self, req: Request, n: int, worse: list[Request], step: _Step) -> bool:

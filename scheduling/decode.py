@@ -109,6 +109,7 @@ class DecodeScheduler(Scheduler):
         self._incoming_at.pop(request.request_id, None)
         # a prefilled prompt, or a migrated decode: all but the last sampled token are in the KV
         assert request.num_computed_tokens == request.num_tokens - 1 and request.output_token_ids
+        publish_prefix(self.blocks, request, 0)  # its full blocks are computed KV: a later turn may start on them
         request.status = Status.WAITING
         self._waiting.append(request)
 

@@ -11,7 +11,10 @@ instance (its KV never moves). The choice is made from estimates, not from a pro
     harm(i)    = decodes_i · P · prefill_token_s    (what its chunks add to the running decodes)
     cost(i)    = ttft(i) + interference · harm(i)
 
-and the prompt goes to the cheapest instance (ties: prefill instances first, then by id). A light
+and the prompt goes to the cheapest instance (ties: prefill instances first, then by id). With
+prefix caching, P is the prompt's part not cached there (``EntryLoad.cached_tokens``): an instance
+that holds the conversation's earlier turns (a decode instance that served the last turn among
+them) computes only the new tokens, and the cost says whether that beats a shorter queue. A light
 prompt beside an idle prefill instance goes there (no decodes to slow); a heavy one goes to a
 decode instance only when the prefill side's queue is long enough that waiting for it costs more
 than the decodes' slowdown. ``step_s``, ``decode_row_s`` and ``prefill_token_s`` come from the
@@ -80,6 +83,7 @@ class EntryLoad:
     num_decodes: int  # requests taking a decode row of its every step
     free_blocks: int
     block_size: int
+    cached_tokens: int = 0  # of the prompt being placed: its prefix already cached there (scheduling/prefix.py)
 
     def __post_init__(self):
         if self.role not in ("prefill", "decode"):
@@ -118,6 +122,19 @@ class PlacementConfig:
             raise ValueError("placement slo_placement needs the TTFT SLO (ttft_slo)")
 
 
+def _uncached(load: EntryLoad, num_prompt_tokens: int) -> int:
+    """Prompt tokens the instance must compute: those past its cached prefix (at least the last)."""
+    return max(1, num_prompt_tokens - load.cached_tokens)
+
+
+def entry_work(queued_tokens: int, num_prompt_tokens: int, cached_tokens: int = 0) -> int:
+    """Coupled and disagg entry: the prompt tokens an instance would have to compute with this
+    prompt placed there, its queue's and the prompt's uncached rest (its cached prefix is free).
+    The least-work instance takes the prompt: with nothing cached anywhere, the least-loaded one
+    as before; a cached prefix wins where it saves more than the queue it waits behind."""
+    return queued_tokens + max(1, num_prompt_tokens - cached_tokens)
+
+
 class Placement:
     """Ranks instances for a prompt of ``num_prompt_tokens``; pure, so tests feed it loads."""
 
@@ -136,12 +153,12 @@ class Placement:
     def ttft_s(self, load: EntryLoad, num_prompt_tokens: int) -> float:
         """Seconds until the prompt's last chunk has run there."""
         c, share = self.config, self.share(load)
-        steps = (load.queued_tokens + num_prompt_tokens) / share
+        steps = (load.queued_tokens + _uncached(load, num_prompt_tokens)) / share
         return steps * (c.step_s + load.num_decodes * c.decode_row_s + share * c.prefill_token_s)
 
     def harm_s(self, load: EntryLoad, num_prompt_tokens: int) -> float:
         """Seconds the prompt's chunks add to the running decodes there, summed over them."""
-        return load.num_decodes * num_prompt_tokens * self.config.prefill_token_s
+        return load.num_decodes * _uncached(load, num_prompt_tokens) * self.config.prefill_token_s
 
     def cost_s(self, load: EntryLoad, num_prompt_tokens: int) -> float:
         return self.ttft_s(load, num_prompt_tokens) + self.config.interference * self.harm_s(load, num_prompt_tokens)

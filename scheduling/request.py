@@ -94,6 +94,11 @@ class Request:
     # requests of one group have the same prompt (the n choices of one API prompt): they share the
     # KV blocks of its prompt instead of computing it each (scheduling/prefix.py); None: no sharing
     prefix_group: Optional[str] = None
+    # automatic prefix caching (scheduling/prefix.py): blocks are shared only between requests of
+    # one salt (vLLM's ``cache_salt``: a tenant cannot probe another's cache); None is a salt too
+    cache_salt: Optional[str] = None
+    num_cached_tokens: Optional[int] = None  # prompt tokens its prefill found cached (None: not looked up)
+    block_hashes: list = field(default_factory=list, repr=False)  # prefix_keys' memo: [root, key0, key1 ...]
     # > 0: the length predictor reads the prompt's last-token hidden state after this many layers
     # from this request's own prefill (aserve/predict/online.py, "prefill features")
     feature_layer: int = 0

@@ -99,6 +99,8 @@ TABLE = [  # (path, body, status, error.param)
     (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
     (CHAT, chat(presence_penalty=0.5), 400, "presence_penalty"), (CHAT, chat(foo=1), 400, "foo"),
     (COMPLETION, comp(messages=MSGS), 400, "messages"), (CHAT, chat(prompt="x"), 400, "prompt"),
+    (CHAT, chat(cache_salt=5), 400, "cache_salt"), (COMPLETION, comp(cache_salt=""), 400, "cache_salt"),
+    (CHAT, chat(cache_salt="s" * 1025), 400, "cache_salt"),
 ]
 
 
@@ -112,7 +114,8 @@ def test_validation_table(server, path, body, status, param):
                                    dict(logprobs=False, top_logprobs=0), dict(logprobs=None, top_logprobs=None),
                                    dict(repetition_penalty=1.0),
                                    dict(response_format={"type": "text"}, tools=[], logprobs=False),
-                                   dict(stream=False, stream_options=None, logit_bias={}), dict(top_k=-1)])
+                                   dict(stream=False, stream_options=None, logit_bias={}), dict(top_k=-1),
+                                   dict(cache_salt="tenant-a")])
 def test_noop_values_are_accepted(server, extra):
     status, _, body = server.request("POST", CHAT, chat(**extra))
     assert status == 200, body

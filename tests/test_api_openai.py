@@ -130,3 +130,18 @@ def test_metrics_and_stats_report_the_requests(server, client):
     assert inst["id"] == "c0" and inst["role"] == "coupled" and inst["device"] == "cpu"
     assert inst["num_decode_tokens"] > 0 and inst["busy_s"] > 0
     assert snap["counts"]["finished"] >= 1 and snap["links"] == []
+
+
+def test_prefix_cache_counts_hits_and_a_cache_salt_keeps_tenants_apart(server, client):
+    """The same prompt twice: the second finds every full block before its last token cached; a
+    third with another cache_salt finds nothing. /v1/stats and /metrics count it (vLLM's names)."""
+    ids = bundle().tokenizer.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 12))
+    before = server.wait_idle()["prefix_cache"]
+    for extra in ({}, {}, {"extra_body": {"cache_salt": "tenant-b"}}):
+        client.completions.create(model="default", prompt=ids, max_tokens=2, temperature=0, **extra)
+    after = server.wait_idle()["prefix_cache"]
+    assert after["enabled"] and after["queries"] - before["queries"] == 3 * len(ids)
+    assert after["hits"] - before["hits"] == (len(ids) - 1) // 16 * 16  # the second only
+    text = server.request("GET", "/metrics")[2].decode()
+    for name in ("vllm:prefix_cache_queries_total{", "vllm:prefix_cache_hits_total{", "aserve:cached_blocks{"):
+        assert name in text, name

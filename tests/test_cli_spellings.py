@@ -86,3 +86,13 @@ def test_make_serve_passes_args_to_aserve_serve():
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1].endswith("bin/aserve serve some-model --port 0"), r.stdout
+
+
+def test_prefix_caching_flags_are_vllms():
+    """``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` (on by default, as vLLM v1), and
+    the placement that counts cached prefixes, in every command that builds an engine."""
+    for argv, want in (([], True), (["--no-enable-prefix-caching"], False), (["--enable-prefix-caching"], True)):
+        for cmd in (["serve", "--port", "0"], ["replay", "t.jsonl"], ["generate", "hi"]):
+            assert build_parser().parse_args([*cmd, *argv]).enable_prefix_caching is want, cmd
+    ns = build_parser().parse_args(["replay", "t.jsonl", "--no-prefix-aware-placement"])
+    assert ns.prefix_aware_placement is False and ns.enable_prefix_caching is True

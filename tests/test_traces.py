@@ -57,7 +57,8 @@ def test_mooncake_jsonl(tmp_path):
     path = write(tmp_path, "m.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     raw = read_trace(path)
     assert raw.format == "mooncake"
-    assert raw.requests[1] == TraceRequest(1.5, 100, 7)
+    assert raw.requests[1] == TraceRequest(1.5, 100, 7, hash_ids=(3,))
+    assert raw.requests[0].hash_ids == (0, 1, 2) and raw.requests[0].hash_block == 512
 
 
 def test_aserve_jsonl_text_and_counts(tmp_path):
@@ -229,3 +230,44 @@ def test_prompt_builder_chat_sends_each_text_as_one_chat_turn():
     assert len(ids) > 3 and b.describe([]) == "the trace's text, one chat turn each"
     with pytest.raises(ValueError, match=r"1 of 2 requests have no prompt text \(the first: request 1\)"):
         b.build([TraceRequest(0.0, 3, 1, question), TraceRequest(0.1, 3, 1)])
+
+
+# ---- shared prefixes: hash_ids and the multi-turn workload ----------------------------------------------
+def test_hash_ids_become_shared_prompt_prefixes():
+    b = PromptBuilder(FakeTokenizer(), seed=0)
+    first, second, other = b.build([TraceRequest(0.0, 20, 1, hash_ids=(7, 8), hash_block=16),
+                                    TraceRequest(1.0, 40, 1, hash_ids=(7, 8, 9), hash_block=16),
+                                    TraceRequest(2.0, 20, 1, hash_ids=(5, 8), hash_block=16)])
+    assert len(first) == 20 and len(second) == 40 and second[:20] == first  # a partial block is a prefix
+    assert other[:16] != first[:16] and other[16:20] == first[16:20]  # block 8's tokens, another prefix
+    longer = b.token_ids(TraceRequest(0.0, 50, 1, hash_ids=(7,), hash_block=16))  # past its blocks: its own
+    assert len(longer) == 50 and longer[:16] == first[:16]
+    assert "hash_ids" in b.describe([TraceRequest(0.0, 20, 1, hash_ids=(7,))])
+
+
+def test_length_scale_scales_hash_blocks(tmp_path):
+    rows = [{"timestamp": 0, "prompt_tokens": 1000, "output_tokens": 10, "hash_ids": [1, 2], "hash_block": 512}]
+    path = write(tmp_path, "h.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    (r,) = load_trace(path, FitOptions(length_scale=0.25)).requests
+    assert r.prompt_tokens == 250 and r.hash_block == 128 and r.hash_ids == (1, 2)
+    bad = write(tmp_path, "b.jsonl", json.dumps({"prompt_tokens": 5, "output_tokens": 1, "hash_ids": ["x"]}) + "\n")
+    with pytest.raises(TraceError, match="hash_ids"):
+        read_trace(bad)
+
+
+@needs_data
+def test_chat_workload_turns_extend_earlier_turns(tmp_path):
+    from aserve.replay.conversations import make_conversations
+
+    assert len({r.hash_ids[0] for _, r in make_conversations(60, rate=2.0, seed=1)}) <= 4  # four system prompts
+    # one system prompt of exactly 4 blocks: a prefix longer than 4 blocks is a conversation's own
+    pairs = make_conversations(60, rate=2.0, seed=1, num_system_prompts=1, system_tokens=(256, 256))
+    reqs = [r for _, r in pairs]
+    assert len(reqs) == 60 and all(a.arrival_s <= b.arrival_s for a, b in zip(reqs, reqs[1:]))
+    assert all(len(r.hash_ids) == -(-r.prompt_tokens // r.hash_block) and r.prompt_tokens <= 1536 for r in reqs)
+    assert len({r.hash_ids[:4] for r in reqs}) == 1
+    # some prompt is a later turn: its hash ids start with an earlier turn's full blocks
+    full = {r.hash_ids[:r.prompt_tokens // r.hash_block] for r in reqs}
+    assert any(r.hash_ids[:len(f)] == f and len(r.hash_ids) > len(f) and len(f) > 4 for r in reqs for f in full)
+    path = write_workload(pairs, tmp_path / "chat.jsonl")  # the hash ids survive a round trip
+    assert [r.hash_ids for r in read_trace(path).requests] == [r.hash_ids for r in reqs]

@@ -103,7 +103,8 @@ def _submit(ctx: ServeContext, req: GenerationRequest, prompt_ids: list[list[int
 def _submit_one(ctx: ServeContext, req: GenerationRequest, rid: str, ids: list[int], sampling: SamplingParams,
                 prompt_text: str, group: Optional[str]) -> RequestHandle:
     try:
-        return ctx.cluster.submit(ids, sampling, request_id=rid, prompt_text=prompt_text, prefix_group=group)
+        return ctx.cluster.submit(ids, sampling, request_id=rid, prompt_text=prompt_text, prefix_group=group,
+                                  cache_salt=req.cache_salt)
     except (PromptTooLong, ValueError) as e:
         ctx.cluster.abort(rid)  # submit may have entered it in the table before refusing it
         raise ApiError(400, str(e)[:300], req.prompt_param, code="context_length_exceeded") from None

@@ -25,13 +25,18 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 _INSTANCE_GAUGES = (("vllm:num_requests_running", "num_running", "Requests running on the instance"),
                     ("vllm:num_requests_waiting", "num_waiting", "Requests waiting on the instance"),
                     ("aserve:free_blocks", "free_blocks", "Free KV blocks"),
-                    ("aserve:total_blocks", "total_blocks", "KV blocks in the instance's pool"))
+                    ("aserve:total_blocks", "total_blocks", "KV blocks in the instance's pool"),
+                    ("aserve:cached_blocks", "cached_blocks", "Free KV blocks still holding a cached prefix"))
 _INSTANCE_COUNTERS = (("vllm:num_preemptions", "num_preemptions", "Preemptions on the instance"),
                       ("vllm:prompt_tokens", "num_prefill_tokens", "Prompt (prefill) tokens computed"),
                       ("vllm:generation_tokens", "num_decode_tokens", "Tokens generated"),
                       ("aserve:pad_tokens", "num_pad_tokens", "Padding tokens computed in fixed-size chunks"),
                       ("aserve:instance_busy_seconds", "busy_s", "Seconds the instance's device was computing"),
-                      ("aserve:instance_steps", "num_steps", "Forward steps run"))
+                      ("aserve:instance_steps", "num_steps", "Forward steps run"),
+                      ("vllm:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+                      ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+                      ("aserve:prefix_cache_evictions", "prefix_cache_evictions",
+                       "Cached KV blocks evicted to make room"))
 _LINK_COUNTERS = (("aserve:kv_transfer_bytes", "bytes", "KV bytes really copied"),
                   ("aserve:kv_transfer_emulated_bytes", "emulated_bytes", "KV bytes the emulated link was charged"),
                   ("aserve:kv_transfer_emulated_seconds", "emulated_s", "Emulated transfer seconds"),

@@ -23,6 +23,7 @@ from scheduling.request import SamplingParams
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's chat limit; vLLM's default max_logprobs)
+MAX_SALT_CHARS = 1024  # cache_salt: it names a tenant, not a payload
 MAX_CHOICES = 256  # choices in one response: n x the number of prompts
 # Below this temperature sampling degenerates (logits / T overflows): treat it as greedy.
 GREEDY_EPS = 1e-5
@@ -55,6 +56,8 @@ class GenerationRequest:
     n: int = 1
     logprobs: Optional[int] = None  # top logprobs per token; None: no logprobs
     echo: bool = False  # completions: the prompt comes back before the completion (with logprobs if asked)
+    # prefix caching (vLLM's field): requests share cached KV blocks only with requests of the same salt
+    cache_salt: Optional[str] = None
 
     @property
     def prompt_param(self) -> str:
@@ -160,7 +163,7 @@ NOOPS_CHAT = {
 }
 NOOPS_COMPLETION = {"suffix": none_or(""), "best_of": none_or(1)}
 USED_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "stream",
-               "stream_options", "n", "logprobs"}
+               "stream_options", "n", "logprobs", "cache_salt"}
 USED = {"chat": USED_COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
         "completion": USED_COMMON | {"prompt", "echo"}}
 
@@ -177,6 +180,12 @@ def _check_keys(kind: str, body: dict) -> None:
 
 
 # ---- the whole body ----------------------------------------------------------------------------
+def _cache_salt(v: Any) -> str:
+    if not isinstance(v, str) or not v or len(v) > MAX_SALT_CHARS:
+        raise bad("cache_salt", f"a non-empty string of at most {MAX_SALT_CHARS} characters", v)
+    return v
+
+
 def _max_tokens(body: dict, lo: int) -> Optional[int]:
     values = {k: int_in(k, body[k], lo, 2**31 - 1) for k in ("max_tokens", "max_completion_tokens")
               if body.get(k) is not None}
@@ -216,7 +225,8 @@ def validate(kind: str, body: dict, vocab_size: int) -> GenerationRequest:
         top_k=_get(body, "top_k", _top_k, 0), seed=_get(body, "seed", lambda v: int_in("seed", v, -2**63, 2**64 - 1), None),
         stop=_get(body, "stop", _stop, ()), ignore_eos=_get(body, "ignore_eos", lambda v: as_bool("ignore_eos", v), False),
         stream=stream, include_usage=include_usage, continuous_usage=continuous,
-        n=_get(body, "n", lambda v: int_in("n", v, 1, MAX_CHOICES), 1), logprobs=_logprobs(kind, body), echo=echo)
+        n=_get(body, "n", lambda v: int_in("n", v, 1, MAX_CHOICES), 1), logprobs=_logprobs(kind, body), echo=echo,
+        cache_salt=_get(body, "cache_salt", _cache_salt, None))
     if req.num_choices > MAX_CHOICES:
         raise ApiError(400, f"n x the number of prompts is {req.num_choices}; at most {MAX_CHOICES} choices "
                             "in one request", "n")

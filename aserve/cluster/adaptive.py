@@ -17,6 +17,7 @@ from scheduling.block_manager import blocks_needed
 from scheduling.clock import Clock
 from scheduling.dispatch import expected_output, predicted_total_blocks
 from scheduling.placement import EntryLoad, Placement, PlacementConfig
+from scheduling.prefix import cached_prefix_tokens
 from scheduling.request import Request
 
 
@@ -27,6 +28,7 @@ class AdaptivePlacer:
                  requests: dict[str, RequestHandle], handoff: Handoff):
         self.clock, self.instances, self.requests, self.handoff = clock, instances, requests, handoff
         self.rebalance_quiet_s = cfg.rebalance_quiet_s
+        self.prefix_aware = cfg.prefix_aware_placement  # cached prefixes enter the prices
         self.placement = Placement(PlacementConfig(
             engine.max_num_batched_tokens, cfg.placement_step_s, cfg.placement_prefill_token_s,
             cfg.placement_decode_row_s, cfg.interference, keep_margin=cfg.keep_margin,
@@ -38,22 +40,29 @@ class AdaptivePlacer:
         self.migrating: set[str] = set()  # ... and those whose copy has begun, until it lands or fails
         self.last_arrival = float("-inf")  # when the last request arrived (the rebalance's quiet time)
 
-    def entry_loads(self) -> list[EntryLoad]:
-        """Adaptive: every active instance as the placement sees it."""
+    def entry_loads(self, req: Optional[Request] = None) -> list[EntryLoad]:
+        """Adaptive: every active instance as the placement sees it (with ``req``: and how much of
+        its prompt each holds cached)."""
         loads = []
         for inst in self.instances.values():
             if inst.state == "active" and inst.adaptive is not None:
+                cached = self._cached(inst, req)
                 loads.append(EntryLoad(inst.id, inst.role, inst.num_queued_tokens, inst.adaptive.num_decoding,
-                                       inst.blocks.num_free, inst.blocks.block_size))
+                                       inst.blocks.num_free, inst.blocks.block_size, cached))
         return loads
 
+    def _cached(self, inst: Instance, req: Optional[Request]) -> int:
+        """Tokens of ``req``'s prompt cached on ``inst`` (0 unless placement is prefix-aware)."""
+        return cached_prefix_tokens(inst.blocks, req) if req is not None and self.prefix_aware else 0
+
     def place(self, handle: RequestHandle) -> bool:
-        """Adaptive: the instance where the prompt (or a re-run's prompt + output) costs least."""
+        """Adaptive: the instance where the prompt (or a re-run's prompt + output) costs least, its
+        cached prefix there counted (a prefix cache hit is work not done)."""
         req = handle.request
         limit = self.placement.ttft_limit_s(len(req.prompt_token_ids))
         if limit is not None and req.ttft_deadline is None:  # what --slo-order queues it by, where it lands
             req.ttft_deadline = req.arrival_time + limit
-        chosen = self.placement.choose(self.entry_loads(), req.num_tokens)
+        chosen = self.placement.choose(self.entry_loads(req), req.num_tokens)
         if chosen is None:
             return False
         self.assign(handle, self.instances[chosen.instance_id])
@@ -90,7 +99,9 @@ class AdaptivePlacer:
             ahead, moving = other.adaptive.num_started_tokens, []
             for req in other.adaptive.unstarted():
                 need, n = blocks_needed(req.num_tokens + 1, mine.block_size), req.num_tokens
-                if mine.free_blocks < need or not self.placement.takes(mine, replace(there, queued_tokens=ahead), n):
+                there_now = replace(there, queued_tokens=ahead, cached_tokens=self._cached(other, req))
+                here = replace(mine, cached_tokens=self._cached(taker, req))
+                if mine.free_blocks < need or not self.placement.takes(here, there_now, n):
                     break
                 moving.append(req.request_id)
                 mine = replace(mine, queued_tokens=mine.queued_tokens + n, free_blocks=mine.free_blocks - need)

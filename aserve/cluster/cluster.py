@@ -49,6 +49,8 @@ from aserve.engine.policies import Policies
 from aserve.engine.stops import StopChecker
 from aserve.predict.online import OnlinePredictor
 from scheduling.clock import Clock, MonotonicClock
+from scheduling.placement import entry_work
+from scheduling.prefix import cached_prefix_tokens
 from scheduling.request import Request, SamplingParams
 from scheduling.step import TokenLogprobs
 
@@ -230,20 +232,21 @@ class Cluster:
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams = SamplingParams(),
                request_id: Optional[str] = None, prompt_text: str = "",
                oracle_length: Optional[int] = None, stream_tokens: bool = True,
-               prefix_group: Optional[str] = None) -> RequestHandle:
+               prefix_group: Optional[str] = None, cache_salt: Optional[str] = None) -> RequestHandle:
         """Enter a request: it goes to the least-loaded prefill (or coupled) instance.
         ``oracle_length`` (replay knows it) is the true output length the ``oracle`` predictor reads;
         ``stream_tokens=False``: ``stream`` yields only the final event (``token_times`` has every
         token's time either way). ``prefix_group``: requests of one group have the same prompt
         (the n choices of one API prompt); all but the first wait until the first has computed it,
-        then share its blocks (aserve/cluster/groups.py)."""
+        then share its blocks (aserve/cluster/groups.py). ``cache_salt``: cached KV blocks are shared
+        only between requests of one salt (scheduling/prefix.py)."""
         assert self.started, "start the cluster first"
         self.bundle.check_fits(len(prompt_token_ids), sampling.max_tokens)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid!r}")
         req = Request(rid, list(prompt_token_ids), sampling, arrival_time=self.clock.now(), prompt_text=prompt_text,
-                      prefix_group=prefix_group)
+                      prefix_group=prefix_group, cache_salt=cache_salt)
         self.placer.last_arrival = req.arrival_time
         if oracle_length is not None:
             req.oracle_length = oracle_length  # predictors.simple.ORACLE_ATTR
@@ -316,7 +319,10 @@ class Cluster:
             return self.placer.place(handle)
         entry = [i for i in self.instances.values() if i.role in ("prefill", "coupled") and i.state == "active"]
         if entry and not (req.output_token_ids and entry[0].role == "prefill"):
-            inst = min(entry, key=lambda i: (i.num_queued_tokens, i.id))
+            # the least work with this prompt there: a cached prefix counts (scheduling/placement.py)
+            aware = self.cfg.prefix_aware_placement
+            inst = min(entry, key=lambda i: (entry_work(i.num_queued_tokens, req.num_tokens,
+                                                        cached_prefix_tokens(i.blocks, req) if aware else 0), i.id))
             handle.instance_id, handle.phase = inst.id, "prefill"
             if inst.role == "prefill":
                 handle.prefill_instance = inst.id

@@ -42,4 +42,15 @@ def snapshot(cluster: Cluster, model: str, started_at: float, draining: bool) ->
         "instances": [{**i.snapshot(), "predictor": _predictor(cluster, i)} for i in cluster.instances.values()],
         "links": [link_snapshot(s, d, link) for (s, d), link in cluster.handoff.links.items()],
         "predictor": cluster.predictor.snapshot(),  # name, counters, accuracy, latency (aserve/predict/online.py)
+        "prefix_cache": prefix_cache(cluster),
     }
+
+
+def prefix_cache(cluster: Cluster) -> dict:
+    """The prefix cache over every instance: prompt tokens looked up and found (vLLM's queries and
+    hits, since start), their ratio, and blocks kept cached now."""
+    blocks = [i.blocks for i in cluster.instances.values()]
+    queries, hits = sum(b.num_query_tokens for b in blocks), sum(b.num_hit_tokens for b in blocks)
+    return {"enabled": cluster.engine.enable_prefix_caching, "queries": queries, "hits": hits,
+            "hit_rate": hits / queries if queries else None, "cached_blocks": sum(b.num_cached for b in blocks),
+            "evictions": sum(b.num_evictions for b in blocks)}

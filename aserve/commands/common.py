@@ -50,6 +50,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (default: decode steps replay CUDA graphs captured at start-up, "
                         "one per batch and context bucket)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="automatic prefix caching: full KV blocks stay cached after their requests end and a prompt "
+                        "starts on the longest cached chain of its blocks (same cache_salt only); evicted least "
+                        "recently used when the pool needs room (default: on, as vLLM v1)")
     g.add_argument("--cache-dir", default=None, help="where the dequantised default model is cached")
     g.add_argument("--seed", type=int, default=0)
 
@@ -130,6 +134,10 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                    help="adaptive: a prompt that ends within the budget its instance's decodes leave runs first, in a "
                         "step of its own (vLLM's prompt step), instead of sharing its last step with the decodes; "
                         "their token gap stays within one full step's (scheduling/hybrid.py)")
+    g.add_argument("--prefix-aware-placement", action=argparse.BooleanOptionalAction, default=True,
+                   help="with prefix caching: a prompt goes where its cached prefix saves more than the queue there "
+                        "costs (coupled, disagg: the least uncached work; adaptive: the placement's priced cost), "
+                        "instead of by load alone (scheduling/placement.py)")
     g.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=True,
                    help="adaptive: once requests stop arriving and no prompt is queued anywhere, running decodes "
                         "move from the busiest instance to the least busy one (an idle prefill instance included) by "
@@ -259,6 +267,7 @@ def cluster_config(a: argparse.Namespace):
                          flip_cooldown_s=a.flip_cooldown, flip_migrate=not a.no_flip_migrate,
                          interference=a.interference, keep_margin=a.keep_margin, prompt_first=a.prompt_first,
                          rebalance=a.rebalance, rebalance_quiet_s=a.rebalance_quiet,
+                         prefix_aware_placement=a.prefix_aware_placement,
                          **placement_costs(a),
                          on_failure=a.on_failure,
                          transfer_timeout_s=a.transfer_timeout,
@@ -286,7 +295,7 @@ def engine_config(a: argparse.Namespace, context: Optional[int] = None, derive: 
                         budget_context=context,
                         max_num_seqs=a.max_num_seqs, batching=a.batching, swap_gb=a.swap_gb,
                         swap_dtype=a.swap_dtype, num_threads=a.threads, enforce_eager=a.enforce_eager,
-                        cache_dir=a.cache_dir, seed=a.seed)
+                        enable_prefix_caching=a.enable_prefix_caching, cache_dir=a.cache_dir, seed=a.seed)
 
 
 def parse_options(items: list[str], field: str = "option") -> dict:

@@ -160,8 +160,9 @@ def register(subparsers) -> None:
     add_replay_args(r)
     r.set_defaults(func=cmd_replay, url_note=True)
 
-    w = subparsers.add_parser("workload", help=f"write one of the paper's workloads ({', '.join(WORKLOADS)}) as JSONL")
-    w.add_argument("name", help=" | ".join(WORKLOADS))
+    w = subparsers.add_parser("workload", help=f"write one of the paper's workloads ({', '.join(WORKLOADS)}), or "
+                                               "Chat (multi-turn conversations sharing prefixes), as JSONL")
+    w.add_argument("name", help=" | ".join(WORKLOADS + ("Chat",)))
     w.add_argument("--num-requests", type=int, default=128)
     w.add_argument("--out", default=None, help="output file (default traces/NAME.jsonl)")
     w.add_argument("--rate", type=float, default=1.0, help="mean arrival rate, req/s")
@@ -174,8 +175,14 @@ def register(subparsers) -> None:
 def cmd_workload(a: argparse.Namespace) -> int:
     from aserve.replay.workloads import SHAREGPT_LENGTHS, canonical_name, make_workload, write_workload
 
-    name = canonical_name(a.name)
-    pairs = make_workload(name, a.num_requests, a.rate, a.burstiness, a.seed, Path(a.lengths or SHAREGPT_LENGTHS))
+    if a.name.lower() == "chat":  # multi-turn conversations with shared prefixes (hash_ids)
+        from aserve.replay.conversations import CHAT, make_conversations
+
+        name = CHAT
+        pairs = make_conversations(a.num_requests, a.rate, a.seed, Path(a.lengths or SHAREGPT_LENGTHS))
+    else:
+        name = canonical_name(a.name)
+        pairs = make_workload(name, a.num_requests, a.rate, a.burstiness, a.seed, Path(a.lengths or SHAREGPT_LENGTHS))
     path = write_workload(pairs, a.out or Path("traces") / f"{name}.jsonl")
     reqs = [r for _, r in pairs]
     counts = ", ".join(f"{c} {n}" for c, n in sorted(Counter(c for c, _ in pairs).items()))

@@ -65,7 +65,7 @@ class Instance:
         self.id, self.device, self.policies = instance_id, device, policies
         self.stops, self.clock, self.host = stops, clock, host
         self.state, self.failure = "active", None
-        self.blocks = BlockManager(device.num_blocks, device.block_size)
+        self.blocks = BlockManager(device.num_blocks, device.block_size, enable_caching=policies.prefix_caching)
         self.scheduler: Scheduler
         self.dispatcher = None  # prefill role: which decode instance takes a prefilled request
         self._make_role(role)
@@ -314,6 +314,9 @@ class Instance:
             "num_prefill_tokens": self.num_prefill_tokens, "num_decode_tokens": self.num_decode_tokens,
             "num_pad_tokens": self.num_pad_tokens, "busy_s": self.busy_s, "num_flips": self.num_flips,
             "failure": self.failure, "num_preemptions": self.num_preemptions,
+            # prefix caching (scheduling/prefix.py): prompt tokens looked up and found, blocks kept cached
+            "prefix_cache_queries": self.blocks.num_query_tokens, "prefix_cache_hits": self.blocks.num_hit_tokens,
+            "cached_blocks": self.blocks.num_cached, "prefix_cache_evictions": self.blocks.num_evictions,
             # the monitor's per-stage counts; None where the role has no such stage
             "num_scheduled": len(sched.scheduled_ids) if sched.role == "prefill" else None,
             "num_receiving": len(receiver.incoming_ids) if receiver is not None else None,

@@ -45,13 +45,15 @@ class Policies:
     prefill_token_budget: Optional[int] = None  # adaptive: the prefill role's own (None: token_budget)
     prompt_first_rows: Optional[int] = None  # adaptive: a step's fixed time in prompt rows, if prompts go first
     deadline_order: bool = False  # adaptive: admit prompts by TTFT deadline (--slo-order)
+    prefix_caching: bool = True  # every instance's block manager keeps and shares full blocks (scheduling/prefix.py)
 
     @staticmethod
     def from_configs(engine: EngineConfig, cluster: Optional[ClusterConfig] = None) -> "Policies":
         """The offline engine needs only ``engine`` (it runs the coupled role)."""
         batching = BatchingConfig(engine.max_num_batched_tokens, engine.max_num_seqs)
         if cluster is None:
-            return Policies(batching=engine.batching, batching_config=batching)
+            return Policies(batching=engine.batching, batching_config=batching,
+                            prefix_caching=engine.enable_prefix_caching)
         return Policies(
             prefill=cluster.prefill_policy,
             prefill_config=PrefillConfig(cluster.chunk_size, cluster.prefill_sched_batch, cluster.pad),
@@ -62,7 +64,8 @@ class Policies:
             batching=engine.batching, batching_config=batching,
             adaptive=cluster.mode == "adaptive", token_budget=engine.max_num_batched_tokens,
             prefill_token_budget=cluster.prefill_token_budget, deadline_order=cluster.slo_order,
-            prompt_first_rows=_fixed_rows(cluster) if cluster.prompt_first else None)
+            prompt_first_rows=_fixed_rows(cluster) if cluster.prompt_first else None,
+            prefix_caching=engine.enable_prefix_caching)
 
     def scheduler(self, role: str, blocks: BlockManager, device: Device, clock: Clock) -> Scheduler:
         """The role's scheduler over ``blocks``; swap space is added to ``device`` where the

@@ -63,6 +63,7 @@ class ClusterRow:
     tokens_per_s: Optional[float]  # prompt + generated, all instances
     throughput: tuple[float, ...]  # recent tokens/s, oldest first
     loop_lag_s: float
+    prefix_hit_rate: Optional[float] = None  # prompt tokens found in the prefix cache, since start
 
 
 @dataclass(frozen=True)
@@ -247,4 +248,4 @@ class History:
             p50_p99(ttft), p50_p99(tbt), int(ttft.total) if ttft is not None else 0,
             new.time - base.time if base is not None else 0.0,
             self.throughput[-1] if self.throughput else None, tuple(self.throughput),
-            float(s.get("loop_lag_s", 0.0)))
+            float(s.get("loop_lag_s", 0.0)), (s.get("prefix_cache") or {}).get("hit_rate"))

@@ -136,7 +136,8 @@ def cluster_lines(c: ClusterRow, width: int) -> list[Text]:
     line1 = _line(("requests ", "bold"), f"{c.num_requests} in flight ({c.num_waiting} waiting)  ",
                   f"finished {counts.get('finished', 0)}  ",
                   (f"failed {counts.get('failed', 0)}", "red" if counts.get("failed") else ""),
-                  f"  aborted {counts.get('aborted', 0)}", *extra, f"  lag {fmt_seconds(c.loop_lag_s)}")
+                  f"  aborted {counts.get('aborted', 0)}", *extra, f"  lag {fmt_seconds(c.loop_lag_s)}",
+                  *([f"  prefix hits {c.prefix_hit_rate:.0%}"] if c.prefix_hit_rate is not None else []))
     window = (f"last {c.window_s:.0f}s, {c.num_window_requests} req" if c.window_s > 0
               else "window starts at the next sample")
     line2 = _line(("TTFT ", "bold"), f"p50 {fmt_seconds(c.ttft[0])} p99 {fmt_seconds(c.ttft[1])}   ",

@@ -185,7 +185,7 @@ async def _cluster_request(cluster, i: int, req: TraceRequest, ids: list[int], b
     return RequestRecord(i, len(ids), req.output_tokens, rel.get("arrival", arrival), status,
                          scheduled_s=rel.get("scheduled"), first_token_s=rel.get("first_token"),
                          finish_s=rel.get("finish"), token_times=tuple(t - base for t in handle.token_times),
-                         num_preemptions=r.num_preemptions, error=r.error)
+                         num_preemptions=r.num_preemptions, error=r.error, cached_tokens=r.num_cached_tokens)
 
 
 async def _warm_up(cluster, vocab: int) -> None:

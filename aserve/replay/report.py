@@ -49,6 +49,7 @@ class RequestRecord:
     num_preemptions: int = 0
     error: Optional[str] = None
     reported_output_tokens: Optional[int] = None  # over HTTP: the server's usage count, when it differs
+    cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache (None: not known)
 
     def __post_init__(self):
         assert self.status in ("completed", "failed", "aborted"), self.status
@@ -162,6 +163,7 @@ def summarize(run: SystemRun, slo: Optional[Slo] = None, clipped: int = 0) -> di
            "placements": run.placements,
            "predictor": run.predictor,
            "predictor_accuracy": (run.predictor or {}).get("accuracy"),
+           **_prefix_cache(done),
            "makespan_s": span, "output_tokens": tokens, "preemptions": sum(r.num_preemptions for r in done),
            "wall_s": run.wall_s,
            "simulated_s_per_wall_s": (span / run.wall_s if run.wall_s and _simulated(run) else None),
@@ -175,6 +177,16 @@ def summarize(run: SystemRun, slo: Optional[Slo] = None, clipped: int = 0) -> di
     for key, value in run.vllm.items():  # beside aserve's own; completed and failed mean the same in both
         out.setdefault(key, value)
     return out
+
+
+def _prefix_cache(done: Sequence[RequestRecord]) -> dict:
+    """Prompt tokens of the completed requests and the share their prefills found cached (vLLM's
+    prefix cache hit rate, over this replay's requests alone); None where it is not known."""
+    known = [r for r in done if r.cached_tokens is not None]
+    if not known:
+        return {"prefix_cache_hit_rate": None, "prefix_cache_hit_tokens": None}
+    hits, queried = sum(r.cached_tokens for r in known), sum(r.prompt_tokens for r in known)
+    return {"prefix_cache_hit_rate": hits / queried if queried else None, "prefix_cache_hit_tokens": hits}
 
 
 def _goodput(run: SystemRun, slo: Optional[Slo], span: float) -> dict:
@@ -288,6 +300,7 @@ _SCALAR_ROWS = (("throughput req/s", "throughput_rps", "{:.3f}"), ("output token
                 ("predictor accuracy (online)", "predictor_accuracy", "{:.1%}"),
                 ("instance failures", "instance_failures", "{:d}"),
                 ("recovery s (max)", "recovery_s_max", "{:.3f}"),
+                ("prefix cache hit rate", "prefix_cache_hit_rate", "{:.1%}"),
                 ("preemptions", "preemptions", "{:d}"), ("makespan s", "makespan_s", "{:.2f}"),
                 ("simulated s per wall s", "simulated_s_per_wall_s", "{:.1f}"))
 
@@ -381,9 +394,9 @@ def _rows(systems: dict) -> list[list[str]]:
     for label, key, fmt in _SCALAR_ROWS:
         cells = []
         for i, s in enumerate(systems.values()):
-            v = s[key]
+            v = s.get(key)  # a key an older report lacks: n/a
             text = "n/a" if v is None else fmt.format(v)
-            cells.append(text if i == 0 or key == "perf_per_dollar_vs_first" else text + _ratio(v, first[key]))
+            cells.append(text if i == 0 or key == "perf_per_dollar_vs_first" else text + _ratio(v, first.get(key)))
         rows.append([label] + cells)
     return rows
 

@@ -5,9 +5,11 @@
 | azure    | .csv   | TIMESTAMP (absolute, 7 fractional digits), ContextTokens, GeneratedTokens |
 | lengths  | .csv   | num_prefill_tokens, num_decode_tokens (no times: Poisson/Gamma arrivals)  |
 | mooncake | .jsonl | timestamp (ms), input_length, output_length, hash_ids                   |
-| aserve   | .jsonl | timestamp (s, optional), prompt (text) and/or prompt_tokens, output_tokens |
+| aserve   | .jsonl | timestamp (s, optional), prompt (text) and/or prompt_tokens, output_tokens; optional hash_ids, hash_block |
 
-``read_trace`` detects the format from the extension and the header (CSV) or the first
+``hash_ids`` (Mooncake's, one per 512-token prompt block) name shared prompt prefixes: a replay
+gives every block of one id the same tokens (``PromptBuilder``), so prefix caching sees the
+reuse the trace recorded. ``read_trace`` detects the format from the extension and the header (CSV) or the first
 record's keys (JSONL). Arrivals are seconds relative to the first request. Errors name the
 file, the line and the field. Fitting to a run lives in ``aserve.replay.traces``.
 """
@@ -22,6 +24,9 @@ from typing import Callable, Iterator, Optional
 from predictors.dataset import iter_jsonl
 
 
+HASH_BLOCK_TOKENS = 512  # tokens per hash id in Mooncake's traces
+
+
 class TraceError(ValueError):
     """A trace file that cannot be read: the message names the file, the line and the field."""
 
@@ -34,6 +39,11 @@ class TraceRequest:
     prompt_tokens: int
     output_tokens: int
     prompt_text: Optional[str] = None
+    # Mooncake's block hashes: block i of the prompt (``hash_block`` tokens each, 512 in Mooncake's
+    # traces, the last one partial) holds the same tokens in every request with the same
+    # ``hash_ids[i]`` (and the same ids before it): a replay builds shared prefixes from them
+    hash_ids: Optional[tuple[int, ...]] = None
+    hash_block: int = HASH_BLOCK_TOKENS
 
     def __post_init__(self):
         if self.arrival_s < 0:
@@ -115,9 +125,18 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict]]:
         yield f"{path}:{i}", obj
 
 
+def _hash_ids(row: dict, where: str) -> Optional[tuple[int, ...]]:
+    ids = row.get("hash_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not all(type(h) is int and h >= 0 for h in ids):
+        raise TraceError(f"{where}: field 'hash_ids' must be a list of integers >= 0")
+    return tuple(ids) or None
+
+
 def read_mooncake(path: Path) -> RawTrace:
     rows = [(_field(r, "timestamp", w, float) / 1000.0, _field(r, "input_length", w, _int),
-             _field(r, "output_length", w, _int)) for w, r in _jsonl_rows(path)]
+             _field(r, "output_length", w, _int), None, _hash_ids(r, w)) for w, r in _jsonl_rows(path)]
     return _timed(rows, "mooncake")
 
 
@@ -141,9 +160,13 @@ def read_aserve(path: Path, count_tokens: Optional[Callable[[str], int]] = None)
         else:
             n = count_tokens(text)
         t = _field(r, "timestamp", where, float) if has_time else 0.0
-        rows.append((t, n, _field(r, "output_tokens", where, _int), text))
+        block = _field(r, "hash_block", where, _int) if r.get("hash_block") is not None else HASH_BLOCK_TOKENS
+        if block < 1:
+            raise TraceError(f"{where}: field 'hash_block' must be >= 1")
+        rows.append((t, n, _field(r, "output_tokens", where, _int), text, _hash_ids(r, where), block))
     if not timed:
-        return RawTrace(tuple(TraceRequest(0.0, max(1, n), max(1, o), x) for _, n, o, x in rows), "aserve", False)
+        return RawTrace(tuple(TraceRequest(0.0, max(1, n), max(1, o), x, h, b) for _, n, o, x, h, b in rows),
+                        "aserve", False)
     return _timed(rows, "aserve")
 
 
@@ -153,7 +176,7 @@ def _timed(rows: list[tuple], fmt: str) -> RawTrace:
         return RawTrace((), fmt, True)
     rows = sorted(rows, key=lambda r: r[0])
     t0 = rows[0][0]
-    reqs = tuple(TraceRequest(r[0] - t0, max(1, r[1]), max(1, r[2]), r[3] if len(r) > 3 else None) for r in rows)
+    reqs = tuple(TraceRequest(r[0] - t0, max(1, r[1]), max(1, r[2]), *r[3:]) for r in rows)
     return RawTrace(reqs, fmt, timed=True)
 
 

@@ -152,7 +152,10 @@ def fit(raw: RawTrace, opts: FitOptions = FitOptions(), source: str = "") -> Tra
         reqs = reqs[:opts.num_requests]
     times = _arrivals(raw, reqs, opts, changes)
     lengths, clipped = _lengths(reqs, opts, changes)
-    out = tuple(TraceRequest(t, p, o, r.prompt_text) for t, (p, o), r in zip(times, lengths, reqs))
+    # a length scale scales the hash blocks too: a shared prefix stays the same share of each prompt
+    out = tuple(TraceRequest(t, p, o, r.prompt_text, r.hash_ids,
+                             max(1, round(r.hash_block * opts.length_scale)) if r.hash_ids else r.hash_block)
+                for t, (p, o), r in zip(times, lengths, reqs))
     return Trace(out, source, raw.format, tuple(changes), frozenset(clipped))
 
 

@@ -83,8 +83,11 @@ def write_workload(pairs: Sequence[tuple[str, TraceRequest]], path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for cls, r in pairs:
-            f.write(json.dumps({"timestamp": r.arrival_s, "prompt_tokens": r.prompt_tokens,
-                                "output_tokens": r.output_tokens, "class": cls}) + "\n")
+            row = {"timestamp": r.arrival_s, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+                   "class": cls}
+            if r.hash_ids:
+                row.update(hash_ids=list(r.hash_ids), hash_block=r.hash_block)
+            f.write(json.dumps(row) + "\n")
     return path
 
 
@@ -101,7 +104,8 @@ class PromptBuilder:
     """
 
     def __init__(self, tokenizer, prompts_file: Optional[Path] = None, seed: int = 0, chat: bool = False):
-        self.tokenizer, self.rng, self.chat = tokenizer, random.Random(seed), chat
+        self.tokenizer, self.rng, self.chat, self.seed = tokenizer, random.Random(seed), chat, seed
+        self._blocks: dict[tuple[int, int], list[int]] = {}  # (hash id, size) -> its tokens
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
         self.vocab = [i for i in range(len(tokenizer)) if i not in special]
         self.lines: list[str] = []
@@ -118,6 +122,9 @@ class PromptBuilder:
         """Where the prompts of ``reqs`` come from, for the report: the trace's own text, the
         prompts file, random ids, or a mix (text cut or extended)."""
         with_text = sum(1 for r in reqs if r.prompt_text)
+        hashed = sum(1 for r in reqs if r.hash_ids and not r.prompt_text)
+        if hashed and not self.chat:
+            return f"random token ids, shared where the trace's hash_ids repeat ({hashed} of {len(reqs)} requests)"
         if self.chat:
             return "the trace's text, one chat turn each"
         if with_text == 0:
@@ -147,6 +154,9 @@ class PromptBuilder:
         if self.chat:
             return self.chat_ids(req.prompt_text)
         n = req.prompt_tokens
+        if req.hash_ids and not req.prompt_text:
+            ids = [t for h in req.hash_ids for t in self._hash_block(h, req.hash_block)][:n]
+            return ids + self.rng.choices(self.vocab, k=n - len(ids))  # past the last hash block: its own
         ids = self._encode(req.prompt_text) if req.prompt_text else []
         if not ids and not self.lines:
             return self.rng.choices(self.vocab, k=n)
@@ -154,6 +164,14 @@ class PromptBuilder:
             extra = self._encode("\n\n" + self._next_text()) if self.lines else self.rng.choices(self.vocab, k=n)
             ids.extend(extra)
         return ids[:n]
+
+    def _hash_block(self, hash_id: int, size: int) -> list[int]:
+        """The tokens of one hash block: a function of the id, the size and the seed only, so every
+        request naming it starts its block with the same ids (a partial last block is their prefix)."""
+        key = (hash_id, size)
+        if key not in self._blocks:
+            self._blocks[key] = random.Random(f"{self.seed}/{hash_id}/{size}").choices(self.vocab, k=size)
+        return self._blocks[key]
 
     def build(self, reqs: Sequence[TraceRequest]) -> list[list[int]]:
         if self.chat:
