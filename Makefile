@@ -18,7 +18,8 @@ CI_LONG ?= tests/test_bench_engine.py tests/test_cluster.py::test_cli_generate_d
 	"tests/test_cluster.py::test_disagg_and_coupled_match_offline[coupled2]" \
 	"tests/test_cluster.py::test_decode_preemption_keeps_greedy_output[swap]" \
 	tests/test_ray_cluster.py::test_same_greedy_output_as_in_process \
-	tests/test_ray_cluster.py::test_killed_actor_mid_run_loses_no_request
+	tests/test_ray_cluster.py::test_killed_actor_mid_run_loses_no_request \
+	tests/test_prefix_cache_engine.py::test_offline_engine_answers_as_without_the_cache_and_hits
 
 
 .PHONY: serve test test-unit kernels test-long test-ci-long test-all install predictors bench results clean
