@@ -201,13 +201,11 @@ def engine_and_cluster(a: argparse.Namespace, context: Optional[int] = None, slo
 
 def instance_threads(a: argparse.Namespace) -> int:
     """Torch threads each instance of ``a``'s cluster gets (aserve/devices/measured.py)."""
-    from aserve.config import EngineConfig
-    from aserve.devices.measured import instance_threads as threads
+    from aserve.devices.measured import threads_each
 
     mode = getattr(a, "mode", "offline")
-    cluster = None if mode == "offline" else argparse.Namespace(
-        split=mode in ("disagg", "adaptive"), num_prefill=a.prefill, num_decode=a.decode, num_coupled=a.instances)
-    return threads(EngineConfig(num_threads=a.threads or 0), cluster)
+    num = 1 if mode == "offline" else (a.prefill + a.decode if mode in ("disagg", "adaptive") else a.instances)
+    return threads_each(a.threads or 0, num)
 
 
 def bundle_engine(a: argparse.Namespace):

@@ -34,11 +34,16 @@ PLACEMENT_FIELDS = ("placement_step_s", "placement_prefill_token_s", "placement_
 _FIXED = ClusterConfig()  # the fixed defaults of the placement costs, for modes that never read them
 
 
+def threads_each(num_threads: int, num_instances: int) -> int:
+    """Torch threads each of ``num_instances`` gets: the cores (``num_threads``, else every core)
+    shared evenly."""
+    return max(1, (num_threads or os.cpu_count() or 1) // max(1, num_instances))
+
+
 def instance_threads(engine: EngineConfig, cluster: Optional[ClusterConfig]) -> int:
-    """Torch threads each instance gets: the cores (``num_threads``, else every core) shared evenly."""
-    cores = engine.num_threads or os.cpu_count() or 1
+    """Torch threads each instance of ``cluster`` (None: the offline engine alone) gets."""
     num = 1 if cluster is None else (cluster.num_prefill + cluster.num_decode if cluster.split else cluster.num_coupled)
-    return max(1, cores // max(1, num))
+    return threads_each(engine.num_threads, num)
 
 
 def model_engine(engine: EngineConfig) -> EngineConfig:
@@ -113,13 +118,13 @@ def _token_budget(engine: EngineConfig, threads: int, cost) -> int:
         return saved
     c = cost()
     context = engine.budget_context or model_context(engine)
-    return _sized_budget(engine, c, engine.tbt_slo or c.decode_slo_s(BUDGET_DECODE_BATCH, context))
+    return _sized_budget(engine, c, engine.tbt_slo or c.decode_slo_s(BUDGET_DECODE_BATCH, context), context)
 
 
-def _sized_budget(engine: EngineConfig, c, slo_s: float) -> int:
+def _sized_budget(engine: EngineConfig, c, slo_s: float, context: Optional[int] = None) -> int:
     """Sarathi-Serve's rule: the largest budget whose step beside ``BUDGET_DECODE_BATCH`` decodes
-    at the budget context stays within ``slo_s``."""
-    return c.token_budget(slo_s, BUDGET_DECODE_BATCH, engine.budget_context or model_context(engine))
+    at the budget context (``context`` when the caller has it) stays within ``slo_s``."""
+    return c.token_budget(slo_s, BUDGET_DECODE_BATCH, context or engine.budget_context or model_context(engine))
 
 
 def _placement_costs(cost) -> dict:
