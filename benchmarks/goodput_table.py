@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Issue 54's paper-scale goodput table from ``benchmarks/goodput_paper.sh OUT_DIR``'s runs.
+"""Issue 54's goodput tables from ``benchmarks/goodput_paper.sh OUT_DIR``'s runs (paper scale) or
+``benchmarks/goodput_cpu.sh OUT_DIR``'s (``--cpu``: this machine's CPU, two instances).
 
     python benchmarks/goodput_table.py OUT_DIR [--json results/goodput_paper.json] [--plots docs/plots]
+    python benchmarks/goodput_table.py OUT_DIR --cpu [--json results/goodput_cpu.json] [--plots docs/plots]
 
 Prints one markdown table (workload x corner rows; vllm, sarathi, tetri at its best static split,
 adaptive: goodput per device, req/s, with the knee's error bar), the Azure code trace's rows beside
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 CORNERS = ("balanced", "tight-ttft", "tight-tpot")
@@ -23,26 +26,75 @@ TETRI = ("tetri-1p3d", "tetri-2p2d", "tetri-3p1d")
 CURVES = ("Mixed", "Azure")
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What one table's runs are: the device, how many a system runs on, the static splits searched."""
+
+    device: str
+    devices: int
+    splits: tuple
+    script: str
+    order: int
+    title: str
+    question: str
+    source: str
+
+
+PAPER = Layout("sim:opt-13b-v100-32gb", 4, TETRI, "benchmarks/goodput_paper.sh", 30,
+               "Goodput under SLOs at paper scale",
+               "At which arrival rate does each design still serve 90% of requests within every SLO "
+               "(four V100s, OPT-13B, simulated), on each workload and SLO corner?",
+               "Paper scale: four V100s, every workload and corner")
+CPU = Layout("cpu", 2, ("tetri",), "benchmarks/goodput_cpu.sh", 31,
+             "Goodput under SLOs on this CPU",
+             "The same question on the real device: two instances of one thread each on this machine's CPU, "
+             "SmolLM2-135M, the traces shrunk to fit a session?",
+             "The real CPU rows")
+
+
 def best_tetri(systems: dict) -> tuple[str, dict]:
-    """The static split with the highest goodput (a split that passed nowhere ranks last)."""
-    ranked = sorted(((s["goodput_per_device"] or -1.0, name) for name, s in systems.items() if name in TETRI),
-                    reverse=True)
+    """The static split with the highest goodput (a split that passed nowhere ranks last); on two
+    devices the only split, ``tetri`` (1P+1D)."""
+    ranked = sorted(((s["goodput_per_device"] or -1.0, name) for name, s in systems.items()
+                     if name in TETRI or name == "tetri"), reverse=True)
     return ranked[0][1], systems[ranked[0][1]]
 
 
+def split_of(name: str, s: dict) -> str:
+    """``tetri-2p2d`` -> 2P+2D; a plain ``tetri`` reads its split from its config."""
+    if "-" in name:
+        code = name.split("-")[1]
+        return f"{code[0]}P+{code[2]}D"
+    return s["config"]["layout"]
+
+
 def cell(name: str, s: dict, split: str = "") -> dict:
-    return {"system": name, "split": split or None, "goodput_per_device": s["goodput_per_device"],
-            "knee_rate": s["knee_rate"], "knee_bracket": s["knee_bracket"], "bound": s["bound"],
-            "limited_by": s["limited_by"], "num_points": s["num_points"], "wall_s": round(s["wall_s"], 1),
-            "predictor": s["predictor"], "monotone": s["monotone"], "devices": s["devices"]}
+    out = {"system": name, "split": split or None, "goodput_per_device": s["goodput_per_device"],
+           "knee_rate": s["knee_rate"], "knee_bracket": s["knee_bracket"], "bound": s["bound"],
+           "limited_by": s["limited_by"], "num_points": s["num_points"], "wall_s": round(s["wall_s"], 1),
+           "predictor": s["predictor"], "monotone": s["monotone"], "devices": s["devices"]}
+    if s.get("estimated_knee_rate") is not None:  # a real search's simulated twin (sim:local): where it started
+        out["simulated_knee_rate"] = s["estimated_knee_rate"]
+    return out
+
+
+def simulated_knees(log: Path) -> dict:
+    """``{system: knee rate}`` from a real search's log ("NAME: estimated wall time ... knee near R req/s"),
+    for runs made before the JSON carried ``estimated_knee_rate``."""
+    import re
+
+    out = {}
+    if log.exists():
+        for m in re.finditer(r"^(\S+): estimated wall time .*knee near ([0-9.e+-]+) req/s", log.read_text(), re.M):
+            out[m.group(1)] = float(m.group(2))
+    return out
 
 
 def row_cells(run: dict) -> dict:
     systems = run["systems"]
     out = {name: cell(name, systems[name]) for name in ("vllm", "sarathi", "adaptive") if name in systems}
     split, s = best_tetri(systems)
-    code = split.split("-")[1]  # e.g. 2p2d
-    out["tetri"] = cell("tetri", s, f"{code[0]}P+{code[2]}D")
+    out["tetri"] = cell("tetri", s, split_of(split, s))
     out["tetri"]["splits"] = {n: systems[n]["goodput_per_device"] for n in TETRI if n in systems}
     return out
 
@@ -87,7 +139,7 @@ def wall_times(runs: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_curves(runs: dict, workload: str, path: Path) -> Path:
+def plot_curves(runs: dict, workload: str, path: Path, layout: Layout = PAPER) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,7 +159,8 @@ def plot_curves(runs: dict, workload: str, path: Path) -> Path:
                     label=f"{name}: {g:.3g}/device" if g is not None else f"{name}: none")
         ax.axhline(90, color="black", linestyle="--", linewidth=0.8)
         ax.set_xscale("log")
-        ax.set(title=f"{workload}, {corner}", xlabel="arrival rate, req/s (4 V100s)", ylim=(-2, 102))
+        where = "4 V100s" if layout is PAPER else f"{layout.devices} CPU instances"
+        ax.set(title=f"{workload}, {corner}", xlabel=f"arrival rate, req/s ({where})", ylim=(-2, 102))
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7, loc="lower left")
     axes[0].set_ylabel("requests meeting every SLO (%)")
@@ -118,18 +171,31 @@ def plot_curves(runs: dict, workload: str, path: Path) -> Path:
     return path
 
 
+def shrunk(trace: dict) -> dict:
+    """How a CPU run's trace was fitted: mean lengths after the shrink, and what the fit changed."""
+    n = max(1, trace["num_requests"])
+    return {"prompt_mean": round(trace["prompt_tokens"] / n, 1), "output_mean": round(trace["output_tokens"] / n, 1),
+            "changes": trace["changes"]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir")
+    p.add_argument("--cpu", action="store_true", help="benchmarks/goodput_cpu.sh's runs (two CPU instances)")
     p.add_argument("--json", default=None, help="write the small result file here")
-    p.add_argument("--plots", default=None, help="write goodput_Mixed.png and goodput_Azure.png here")
+    p.add_argument("--plots", default=None, help="write the attainment curves of Mixed and Azure here")
+    p.add_argument("--caveat", action="append", default=[], help="a sentence the results page prints beside "
+                   "the table (e.g. a point that ran beside other load); repeatable")
     a = p.parse_args(argv)
+    layout = CPU if a.cpu else PAPER
     runs = {}
     for w in WORKLOADS + REPORT_ONLY:
         for c in CORNERS:
             f = Path(a.out_dir) / f"{w}_{c}.json"
             if f.exists():
-                runs[(w, c)] = json.loads(f.read_text())
+                runs[(w, c)] = run = json.loads(f.read_text())
+                for name, rate in simulated_knees(f.with_suffix(".log")).items():
+                    run["systems"].get(name, {}).setdefault("estimated_knee_rate", rate)
     if not runs:
         print(f"no runs in {a.out_dir}", file=sys.stderr)
         return 1
@@ -140,31 +206,40 @@ def main(argv=None) -> int:
         print("\nReport-only (nothing tuned on it):\n")
         print(markdown(held, "trace"))
     print("\n" + wall_times(runs))
+    prefix = "goodput_cpu_" if a.cpu else "goodput_"
     if a.json:
         first = next(iter(runs.values()))
         abouts = sorted({(r["about"]["commit"], r["about"]["date"][:10], r["about"]["machine"]) for r in runs.values()})
         data = {
-            "device": "sim:opt-13b-v100-32gb", "devices_per_system": 4, "target": first["search"]["target"],
+            "device": layout.device, "devices_per_system": layout.devices, "target": first["search"]["target"],
             "corners": {c: runs[k]["slo"]["terms"] for k in runs for c in [k[1]]},
+            "limits": {f"{w} {c}": r["slo"]["line"] for (w, c), r in runs.items()} if a.cpu else None,
             "workloads": {w: {"source": r["trace"]["source"], "num_requests": r["trace"]["num_requests"],
-                              "tuned_on": w in WORKLOADS} for (w, _), r in runs.items()},
+                              "tuned_on": w in WORKLOADS,
+                              **(shrunk(r["trace"]) if a.cpu else {})} for (w, _), r in runs.items()},
             "cells": [{"workload": w, "corner": c, **v} for (w, c), cells in {**tuned, **held}.items()
                       for v in cells.values()],
             "curves": {w: {c: {n: s["points"] for n, s in runs[(w, c)]["systems"].items()}
                            for c in CORNERS if (w, c) in runs} for w in CURVES},
         }
+        if a.caveat:
+            data["caveats"] = a.caveat
+        if a.cpu:
+            data["curve"] = ["Mixed", "balanced"]  # the plot on the results page
+        else:
+            del data["limits"]
         result = {"meta": {
-            "order": 30, "kind": "goodput", "title": "Goodput under SLOs at paper scale",
-            "question": "At which arrival rate does each design still serve 90% of requests within every SLO "
-                        "(four V100s, OPT-13B, simulated), on each workload and SLO corner?",
+            "order": layout.order, "kind": "goodput", "title": layout.title, "question": layout.question,
             "machine": "; ".join(sorted({m for _, _, m in abouts})),
             "commit": ", ".join(sorted({c for c, _, _ in abouts})),
             "date": ", ".join(sorted({d for _, d, _ in abouts})),
-            "command": "benchmarks/goodput_paper.sh OUT && python benchmarks/goodput_table.py OUT "
-                       f"--json {a.json}" + (f" --plots {a.plots}" if a.plots else ""),
+            "command": f"{layout.script} OUT && python benchmarks/goodput_table.py OUT" + (" --cpu" if a.cpu else "")
+                       + f" --json {a.json}" + (f" --plots {a.plots}" if a.plots else "")
+                       + "".join(" --caveat '...'" for _ in a.caveat),
             "wall_time": f"{sum(s['wall_s'] for r in runs.values() for s in r['systems'].values()) / 60:.0f} min "
-                         f"({len(runs)} searches of {len(first['systems'])} systems each, virtual time)",
-            "notes": "docs/notes/goodput.md", "source": "Paper scale: four V100s, every workload and corner"},
+                         f"({len(runs)} searches of {len(first['systems'])} systems each"
+                         + (", real time, nothing else running)" if a.cpu else ", virtual time)"),
+            "notes": "docs/notes/goodput.md", "source": layout.source},
             "data": data}
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
@@ -172,7 +247,7 @@ def main(argv=None) -> int:
     if a.plots:
         for w in CURVES:
             if any((w, c) in runs for c in CORNERS):
-                print(f"wrote {plot_curves(runs, w, Path(a.plots) / f'goodput_{w}.png')}")
+                print(f"wrote {plot_curves(runs, w, Path(a.plots) / f'{prefix}{w}.png', layout)}")
     return 0
 
 

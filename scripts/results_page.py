@@ -434,18 +434,23 @@ def render_goodput(d: dict, plot: Callable):
                         + [lead["limited_by"] or "-"])
     t = table(["workload", "SLO corner"] + [f"{n}, req/s a device" for n in systems] + ["limits the best"], rows)
 
+    paper = d["device"].startswith("sim:")
+    cw, cc = d.get("curve", ["Azure", "balanced"])  # the workload and corner the plot shows
+    per = "a V100" if paper else "an instance"
+
     def draw(ax):
-        curves = d["curves"].get("Azure", {}).get("balanced", {})
-        best_tetri = cells[("Azure", "balanced")]["tetri"]["split"]
+        curves = d["curves"].get(cw, {}).get(cc, {})
+        best_tetri = cells[(cw, cc)]["tetri"]["split"]
         for name, pts in curves.items():
-            if name.startswith("tetri") and name != "tetri-" + best_tetri.lower().replace("+", ""):
+            if name.startswith("tetri-") and name != "tetri-" + best_tetri.lower().replace("+", ""):
                 continue
             pts = sorted(pts)
             ax.plot([r / d["devices_per_system"] for r, _ in pts], [100 * a for _, a in pts], marker="o",
                     markersize=3, label=name)
         ax.axhline(100 * d["target"], color="black", linestyle="--", linewidth=0.8)
         ax.set_xscale("log")
-        ax.set(xlabel="arrival rate, req/s a V100 (Azure conversation, balanced SLOs)",
+        trace = "Azure conversation" if cw == "Azure" else cw
+        ax.set(xlabel=f"arrival rate, req/s {per} ({trace}, {cc} SLOs)",
                ylabel="requests within every SLO, %", ylim=(-2, 102))
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
@@ -455,19 +460,42 @@ def render_goodput(d: dict, plot: Callable):
         return ", ".join(f"{n} {len(ws)}" for n, ws in sorted(got.items(), key=lambda kv: -len(kv[1])))
     n_tuned = sum(1 for w in order if d["workloads"][w]["tuned_on"])
     held = [w for w in order if not d["workloads"][w]["tuned_on"]]
+    predictors = sorted({c["predictor"] for c in d["cells"]})
     reading = (f"Goodput per device: the highest arrival rate at which {100 * d['target']:.0f}% of requests meet every "
                f"limit of the corner (TTFT, TPOT and the request's own longest token gap, in multiples of the device's "
                f"unloaded costs), over the {d['devices_per_system']} devices each system runs on; tetri at its best "
-               f"static split; every system with the predictor serve runs (accuracy at sklearn's measured 65.7%, "
-               f"never the true length). Bold is the best of a row (ties bold). Best on the {n_tuned} tuned workloads, "
-               + "; ".join(f"at {c}: {said(c, True)}" for c in corners)
-               + (f". On the held-out {', '.join(held)} trace: " + "; ".join(f"{c}: {said(c, False)}" for c in corners)
-                  if held else "")
-               + ". The static split leads wherever the token gap is tight (its decode devices never see a prompt), "
-               "the coupled and adaptive systems wherever TTFT is, as DistServe and Sarathi-Serve predict; at balanced "
-               "SLOs the split is never best, unlike DistServe: a V100 holds too little OPT-13B KV for three decode "
-               "devices to batch well (the notes measure why, and show sarathi and adaptive ahead of the split at tight "
-               "TPOT too once their token budget is sized for that corner's token gap).")
+               f"static split; every system with the predictor serve runs ("
+               + ("accuracy at sklearn's measured 65.7%" if paper else ", ".join(predictors))
+               + ", never the true length). Bold is the best of a row (ties bold). Best on the "
+               f"{n_tuned} tuned workloads, "
+               + "; ".join(f"at {c}: {said(c, True)}" for c in corners if said(c, True))
+               + (f". On the held-out {', '.join(held)} trace: " + "; ".join(f"{c}: {said(c, False)}" for c in corners
+                                                                           if said(c, False)) if held else ""))
+    if paper:
+        reading += (". The static split leads wherever the token gap is tight (its decode devices never see a prompt), "
+                    "the coupled and adaptive systems wherever TTFT is, as DistServe and Sarathi-Serve predict; at "
+                    "balanced SLOs the split is never best, unlike DistServe: a V100 holds too little OPT-13B KV for "
+                    "three decode devices to batch well (the notes measure why, and show sarathi and adaptive ahead of "
+                    "the split at tight TPOT too once their token budget is sized for that corner's token gap).")
+    else:
+        ratios = []
+        for (w, corner), row in cells.items():
+            other = max((row[n]["goodput_per_device"] or 0.0) for n in ("sarathi", "tetri"))
+            mine = row["adaptive"]["goodput_per_device"] or 0.0
+            ratios.append(f"{w} {corner} {mine / other:.2f}x" if other > 0 else f"{w} {corner}: n/a")
+        fits = sorted({(w, v["prompt_mean"], v["output_mean"]) for w, v in d["workloads"].items()})
+        reading += (". Adaptive against the better of sarathi and the static split: " + ", ".join(ratios)
+                    + ". The traces are shrunk to fit a session (mean prompt / output tokens after the shrink: "
+                    + ", ".join(f"{w} {p:g} / {o:g}" for w, p, o in fits) + "); at full length one system's search "
+                    "here is a day of real replays.")
+        sims = [c["simulated_knee_rate"] / c["knee_rate"] for c in d["cells"]
+                if c.get("simulated_knee_rate") and c.get("knee_rate")]
+        if sims:
+            reading += (f" Each search started at the knee its simulated twin (sim:local, this machine's measured "
+                        f"profile) found; that knee was {min(sims):.2f}-{max(sims):.2f}x the real one (median "
+                        f"{statistics.median(sims):.2f}x over {len(sims)} searches): the simulator is optimistic here "
+                        f"(issue 58).")
+    reading += "".join(f" Caveat: {c}" for c in d.get("caveats", []))
     return t, plot(draw), reading
 
 

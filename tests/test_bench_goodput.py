@@ -146,6 +146,18 @@ def test_the_estimate_is_the_search_simulated_on_the_twin(tmp_path, capsys):
         goodput(tmp_path, trace_file(tmp_path, 40), "--slo", "balanced", "--estimate-only")
 
 
+def test_a_search_with_a_twin_records_where_it_started(tmp_path):
+    """The JSON keeps the twin's knee beside the measured one (the simulator's error on a real
+    device); with the device as its own twin the two agree, and the search starts there."""
+    out = tmp_path / "g.json"
+    assert goodput(tmp_path, trace_file(tmp_path, 40), "--slo", "balanced", "--max-points", "8",
+                   "--estimate-device", "sim:opt-13b-v100-32gb", "--json", out,
+                   "--compare", "vllm: --mode coupled --instances 2 --batching vllm") == 0
+    s = json.loads(out.read_text())["systems"]["vllm"]
+    assert s["estimate_device"] == "sim:opt-13b-v100-32gb" and s["knee_rate"] is not None
+    assert s["estimated_knee_rate"] == pytest.approx(s["knee_rate"]) and s["points"][0][0] == pytest.approx(s["knee_rate"])
+
+
 def test_the_floor_is_where_each_request_arrives_after_the_last_would_have_finished_alone():
     """A mean gap would not do for a bursty trace (the Azure code trace: 41% of gaps under 5% of the
     mean): its bursts stay bursts at any rate, so the floor reads every gap."""

@@ -80,7 +80,8 @@ def estimate(job: GoodputJob, spec, requests, console) -> tuple[Optional[Knee], 
 
 
 def run_systems(job: GoodputJob, specs: Sequence, requests: Sequence, console) -> dict:
-    """Each system's ``Knee`` and wall seconds, in order: ``{name: (knee, wall_s, estimate)}``."""
+    """Each system's ``Knee`` and wall seconds, in order: ``{name: (knee, wall_s, estimated wall_s,
+    simulated knee rate)}`` (the last two None without an estimate)."""
     from aserve.replay.driver import ReplayProgress
 
     plans = {}
@@ -120,7 +121,7 @@ def _search_one(job, spec, requests, plan, bar, console):
         return p
 
     knee = search(probe, lim)
-    return knee, time.perf_counter() - started, est
+    return knee, time.perf_counter() - started, est, sim_knee.rate if sim_knee else None
 
 
 def budget_hints(specs: Sequence, slo: Slo, requests: Sequence) -> list[str]:

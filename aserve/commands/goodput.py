@@ -110,10 +110,11 @@ def run_goodput_command(a: argparse.Namespace) -> int:
     results = run_systems(job, specs, requests, console)
     systems = {}
     for spec in specs:
-        knee, wall, est = results[spec.name]
+        knee, wall, est, sim_rate = results[spec.name]
         label = predictor_label({"predictor": {"name": spec.cluster.predictor},
                                  "config": {"cluster": {"predictor_options": spec.cluster.predictor_options}}})
-        systems[spec.name] = system_json(spec, knee, devices(spec), wall, est, label)
+        systems[spec.name] = {**system_json(spec, knee, devices(spec), wall, est, label),
+                              "estimated_knee_rate": sim_rate, "estimate_device": job.estimate_device}
     report = {"about": about(getattr(a, "argv", None)), "trace": {**first.summary(), "native_rate": native_rate(first.requests)},
               "slo": {**slo.to_json(requests), "line": slo.describe(requests)},
               "search": {"target": a.target, "precision": a.precision, "max_points": a.max_points,
