@@ -13,7 +13,8 @@
 - ``sim:local``: this machine's measured engine (``aserve profile device`` at the instances'
   threads) and the served model; KV capacity from ``--kv-cache-gb``, as a real instance's.
 - ``sim:FILE.json``: a cost model file (``aserve profile device --out``) like ``local``, or a
-  hardware file shaped like the shipped ones.
+  hardware file shaped like the shipped ones. A measured one (``local`` too) is checked against
+  the instances it times (aserve/devices/factory.py, aserve/profiles/profile_check.py).
 
 On the virtual-time loop (aserve/devices/virtual_time.py) a replay runs as fast as the host
 computes the schedules; on a normal loop the sleeps pace it to wall time.
@@ -45,6 +46,7 @@ class SimProfile:
     kv_capacity_bytes: Optional[int] = None  # None: --kv-cache-gb, as a real instance
     host_swap_bytes: Optional[int] = None  # None: --swap-gb
     about: str = ""
+    measured: bool = False  # a cost model measured on a machine (aserve profile device): checked against its instances
 
     def model_args(self) -> Optional[ModelArgs]:
         return ModelArgs.from_hf(self.model) if self.model else None
@@ -77,14 +79,15 @@ def load_profile(spec: str, local: Optional[CostModel] = None) -> SimProfile:
     if spec == "local":
         if local is None:
             raise ValueError("sim:local needs this machine's profile (aserve profile device)")
-        return SimProfile("local", local, about="this machine's measured engine")
+        return SimProfile("local", local, about="this machine's measured engine", measured=True)
     path = Path(spec) if spec.endswith(".json") else PROFILE_DIR / f"{spec}.json"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.json")))
         raise ValueError(f"bad --device sim:{spec}: no such profile; known: {known}, local, or a .json file")
     data = json.loads(path.read_text())
     if "tokens" in data:  # a measured cost model (aserve profile device --out)
-        return SimProfile(path.stem, CostModel.from_json(data), about=f"measured: {data.get('meta', {})}")
+        return SimProfile(path.stem, CostModel.from_json(data), about=f"measured: {data.get('meta', {})}",
+                          measured=True)
     cost, kv_bytes = hardware_cost(data)
     return SimProfile(data.get("name", path.stem), cost, data["model"], kv_bytes,
                       data["hardware"].get("host_swap_bytes"), data.get("about", ""))
