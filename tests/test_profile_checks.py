@@ -1,5 +1,6 @@
 """A measured profile knows what it measured (issue 58): checked against the instances it times,
-taken at rest, warned about when old, busy or of another machine (unit tier: no model)."""
+taken at rest, warned about when old, busy or of another machine; and the second hardware
+profile, Llama-3-8B on an H100, from public figures (unit tier: no model, virtual time)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ from datetime import date, timedelta
 
 import pytest
 
-from aserve.config import EngineConfig
+from aserve.config import ClusterConfig, EngineConfig
 from aserve.profiles import profile_check, rest
 from aserve.profiles.cost_model import CostModel
 from aserve.profiles.machine import cpu_flags, machine
@@ -157,3 +158,60 @@ def test_the_verdict_holds_what_was_seen():
     unknown = rest.verdict(None, None)  # no /proc/stat, no probe: nothing says busy
     assert unknown["at_rest"] and rest.describe(unknown) == "no figures (no /proc/stat, no probe)"
     assert rest.describe(AT_REST) == "others 0.02 cores before, others 0.03 cores during, probe step +2.5% end to start"
+
+
+# ---- Llama-3-8B on an H100 ---------------------------------------------------------------------------
+
+H100 = "sim:llama3-8b-h100-80gb"
+
+
+def test_the_h100_profile_loads_with_its_figures():
+    from aserve.devices.sim_device import load_profile
+
+    prof = load_profile("llama3-8b-h100-80gb")
+    args = prof.model_args()
+    assert args.kv_bytes_per_token == 131_072  # 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 B
+    assert 420_000 < prof.kv_capacity_bytes // 131_072 < 470_000  # 90% of 80 GB less 16 GB of weights
+    cost = prof.cost
+    assert 0.0058 < cost.decode_s(1, 128) < 0.0065  # batch-1 decode: ~78% of the 16 GB read's roofline
+    assert 0.008 < cost.decode_s(64, 1024) < 0.012  # 64 rows stream 64 x 1,024 tokens of KV more
+    assert 30_000 < 2048 / cost.prefill_s(2048) < 40_000  # prompt tokens a second
+    assert 768 <= cost.saturate_chunk(tile=64) <= 1280
+    assert cost.contention == 0 and prof.host_swap_bytes == 80 * 2**30
+    spec = json.loads((prof_dir() / "llama3-8b-h100-80gb.json").read_text())
+    assert set(spec["efficiency"]) <= set(spec["why"]) and spec["sources"]  # every factor says why
+
+
+def prof_dir():
+    from aserve.devices.sim_device import PROFILE_DIR
+
+    return PROFILE_DIR
+
+
+@pytest.mark.parametrize("cluster", [
+    ClusterConfig(mode="coupled", num_coupled=2, predictor="none"),
+    ClusterConfig(mode="disagg", num_prefill=1, num_decode=1, chunk_size=1024, predictor="none")])
+def test_a_short_replay_on_the_h100_completes(cluster):
+    import random
+
+    from aserve.cluster.cluster import Cluster
+    from aserve.devices.virtual_time import VirtualClock, run_virtual
+    from scheduling.request import SamplingParams
+    from tests.cluster_support import settled, sim_bundle, stream_all
+
+    bundle = sim_bundle(H100)
+    engine = EngineConfig(device=H100, max_num_batched_tokens=2048)
+    rng = random.Random(3)
+    ids = [[rng.randrange(2, 500) for _ in range(rng.randrange(50, 1500))] for _ in range(12)]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    async def main(clock):
+        async with Cluster(engine, cluster, bundle=bundle, clock=clock) as cl:
+            results = await stream_all(cl, ids, sp)
+            await settled(cl, list(cl.instances))
+            return results, clock.now()
+
+    clock = VirtualClock()
+    results, seconds = run_virtual(main(clock), clock)
+    assert all(err is None and reason == "length" and len(toks) == 24 for toks, reason, err in results)
+    assert 0.1 < seconds < 5  # 12 requests' prompts and 24 tokens each: well under a second of H100 time each

@@ -205,3 +205,17 @@ def test_a_replay_refuses_a_profile_measured_at_other_threads(tmp_path, capsys):
     assert replay(2, "--allow-profile-mismatch") == 0
     assert "used anyway (--allow-profile-mismatch)" in capsys.readouterr().err
 
+
+def test_a_replay_on_the_h100_profile_completes(tmp_path):
+    """The second shipped hardware profile from the command line: Llama-3-8B on H100s, coupled."""
+    trace = [{"timestamp": 0.01 * i, "prompt_tokens": 200 + 150 * i, "output_tokens": 8 + i} for i in range(10)]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in trace))
+    out = tmp_path / "h100.json"
+    from aserve.commands import main
+
+    assert main(["replay", str(path), "--device", "sim:llama3-8b-h100-80gb", "--mode", "coupled", "--instances",
+                 "2", "--predictor", "none", "--no-warmup", "--no-progress", "--json", str(out)]) == 0
+    (s,) = json.loads(out.read_text())["systems"].values()
+    assert s["completed"] == 10 and s["output_tokens"] == sum(r["output_tokens"] for r in trace)
+    assert s["ttft"]["mean"] < 0.5  # prompts of 200-1,550 tokens at ~34k tokens/s, two instances

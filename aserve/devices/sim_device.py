@@ -10,6 +10,8 @@
 - ``sim:opt-13b-v100-32gb`` (shipped, aserve/profiles/sim_profiles/): a model and a GPU from
   public figures, with the efficiency factors stated and justified in the file; KV capacity from
   the GPU's memory less the weights; its own model's shape (OPT-13B: 819,200 B of KV a token).
+- ``sim:llama3-8b-h100-80gb`` (shipped): Llama-3-8B in bf16 on one H100 SXM5 80GB, the same way
+  (131,072 B of KV a token).
 - ``sim:local``: this machine's measured engine (``aserve profile device`` at the instances'
   threads) and the served model; KV capacity from ``--kv-cache-gb``, as a real instance's.
 - ``sim:FILE.json``: a cost model file (``aserve profile device --out``) like ``local``, or a
@@ -56,12 +58,15 @@ def hardware_cost(spec: dict) -> tuple[CostModel, int]:
     """A profile file's step costs from its hardware figures and efficiencies (and the KV bytes
     it leaves), by the roofline: a step reads every weight once and multiplies every row through
     every weight; prompt attention costs 4 x hidden FLOPs per query-key pair per layer; a decode
-    row reads its context's KV."""
+    row reads its context's KV. ``embedding_params`` (optional, 0 when absent) are the input
+    embedding's: a lookup, neither read whole nor multiplied by a step, but held in memory (a
+    fifteenth of Llama-3-8B's, whose LM head is a matrix of its own)."""
     hw, eff = spec["hardware"], spec["efficiency"]
     args = ModelArgs.from_hf(spec["model"])
     weight_bytes = spec["num_params"] * spec["dtype_bytes"]
-    read_s = weight_bytes / (hw["memory_bytes_per_s"] * eff["memory_read"])
-    row_s = 2 * spec["num_params"] / (hw["peak_flops"] * eff["gemm"])
+    matmul_params = spec["num_params"] - spec.get("embedding_params", 0)
+    read_s = matmul_params * spec["dtype_bytes"] / (hw["memory_bytes_per_s"] * eff["memory_read"])
+    row_s = 2 * matmul_params / (hw["peak_flops"] * eff["gemm"])
     linear = tuple(eff["step_overhead_s"] + read_s + n * row_s for n in GRID)
     pair_s = 4 * args.hidden_size * args.num_layers / (hw["peak_flops"] * eff["attention"])
     kv_token_s = args.kv_bytes_per_token / (hw["memory_bytes_per_s"] * eff["memory_read"])
