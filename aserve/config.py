@@ -39,6 +39,9 @@ class EngineConfig:
     # automatic prefix caching (scheduling/prefix.py, vLLM's flag): full KV blocks are kept after
     # their requests end, found by content (and cache_salt) and shared; evicted least recently used
     enable_prefix_caching: bool = True
+    # a measured sim: profile of another engine (threads, dtype, attention, kernels, model than the
+    # simulated instances') is refused; True: used with a warning (aserve/profiles/profile_check.py)
+    allow_profile_mismatch: bool = False
     cache_dir: Optional[str] = None
     seed: int = 0
 

@@ -51,3 +51,26 @@ def check(results, want):
     for i, ((toks, reason, err), w) in enumerate(zip(results, want)):
         assert err is None and reason == "length", (i, reason, err)
         assert toks == w, f"request {i}: streamed output differs from the fault-free run"
+
+
+def sim_bundle(device: str):
+    """A simulated profile's model shape (``device``: ``sim:NAME``) with a small real tokenizer (a
+    word-level vocabulary): what a cluster of simulated devices reads from a bundle, without the
+    served model's files (the unit tier loads no model)."""
+    from pathlib import Path
+
+    import torch
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    from aserve.config import EngineConfig
+    from aserve.devices.factory import model_args
+    from aserve.engine.bundle import ModelBundle
+
+    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(510)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+    return ModelBundle(Path(device), model_args(EngineConfig(device=device)), None, fast, torch.float16, device)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import pytest
 
@@ -25,7 +24,7 @@ from aserve.config import ClusterConfig, EngineConfig
 from aserve.devices.virtual_time import VirtualClock, run_virtual
 from aserve.engine.bundle import ModelBundle
 from scheduling.request import SamplingParams
-from tests.cluster_support import settled, stream_all
+from tests.cluster_support import settled, sim_bundle, stream_all
 
 DEVICE = "sim:opt-13b-v100-32gb"
 ENGINE = EngineConfig(device=DEVICE, max_num_batched_tokens=512)
@@ -35,21 +34,8 @@ TWO_TWO = ClusterConfig(mode="disagg", num_prefill=2, num_decode=2, chunk_size=2
 
 @pytest.fixture(scope="module")
 def bundle() -> ModelBundle:
-    """The simulated model's shape with a small real tokenizer (a word-level vocabulary): what a
-    cluster of simulated devices reads from a bundle, without the served model's files."""
-    import torch
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
-
-    from aserve.devices.factory import model_args
-
-    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(510)}}
-    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
-    return ModelBundle(Path(DEVICE), model_args(ENGINE), None, fast, torch.float16, DEVICE)
+    """The simulated model's shape with a small real tokenizer (tests/cluster_support.py)."""
+    return sim_bundle(DEVICE)
 
 
 def prompts(n: int = 20, seed: int = 7) -> list[list[int]]:

@@ -119,7 +119,7 @@ def test_command_line_defaults_come_from_the_profile(tmp_path):
 
 def test_measure_a_tiny_model():
     """A real measurement, on a tiny random model: every coefficient comes out, the checks ran."""
-    from aserve.profiles.device_profile import CHECKS, GRID, PROFILE_VERSION, measure
+    from aserve.profiles.device_profile import CHECKS, GRID, PROFILE_VERSION, measure, num_points
     from tests.tiny import LLAMA, hf_model, ours
 
     config = {**LLAMA, "max_position_embeddings": 4096}  # the profile's longest context is 2,048
@@ -133,4 +133,32 @@ def test_measure_a_tiny_model():
     assert all(c["measured_s"] > 0 and c["predicted_s"] > 0 for c in cost.meta["checks"])
     assert cost.meta["model"] == "tiny" and cost.meta["threads"] == 1 and "cores" in cost.meta["machine"]
     assert cost.meta["version"] == PROFILE_VERSION
-    assert len(seen) == len(GRID) + 1 + 3 + 4 + 1 + len(CHECKS)
+    assert len(seen) == len(GRID) + 1 + 3 + 4 + 1 + len(CHECKS) + 1 == num_points()  # the last: the probe again
+    seen_at_rest = cost.meta["rest"]  # what measure() saw; measure_and_save adds the look before and the verdict
+    assert seen_at_rest["probe_first_s"] == cost.linear_s[GRID.index(16)] and seen_at_rest["probe_last_s"] > 0
+    assert seen_at_rest["others_cores_during"] is not None and seen_at_rest["others_cores_during"] >= 0
+    assert isinstance(cost.meta["cpu_flags"], list)
+
+
+def test_a_busy_machine_is_seen_and_profiling_refused_before_measuring(tmp_path):
+    """Another process spinning a core: its CPU use is seen, and ``aserve profile device``
+    refuses before it loads the model (nothing measured, nothing saved)."""
+    import subprocess
+    import sys
+
+    from aserve.config import EngineConfig
+    from aserve.profiles import rest
+    from aserve.profiles.device_profile import measure_and_save
+    from aserve.profiles.profile_store import device_profile_path
+
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: 0"])
+    try:
+        seen = rest.look(0.5)
+        assert seen is not None and seen > 0.6, seen  # a whole core, less the interpreter's start
+        with pytest.raises(ValueError, match=r"the machine is not at rest: other processes used \d\.\d\d cores before "
+                                             r"the measurement .* Nothing measured\. .*--allow-busy"):
+            measure_and_save(EngineConfig(cache_dir=str(tmp_path)), 1, quiet=True)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert not device_profile_path(str(tmp_path)).exists()

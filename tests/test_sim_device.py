@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from datetime import date
 
 import pytest
 
@@ -170,3 +171,51 @@ def test_adaptive_late_binding_moves_unstarted_prompts_to_an_instance_with_room(
     assert by_role["decode"]["prefill_tokens"] >= 5 * 699  # its own prompt and those it took
     for inst in s["instances"]:
         assert inst["free_blocks_end"] == inst["free_blocks_start"], inst
+
+
+def test_a_replay_refuses_a_profile_measured_at_other_threads(tmp_path, capsys):
+    """Issue 58's case from the command line: a profile measured at two threads (``aserve profile
+    device``'s default on this machine) and a 1P + 1D replay at one thread each is refused, with
+    the command that measures the right profile; at two threads each it runs; with
+    ``--allow-profile-mismatch`` it runs and says why it should not."""
+    from aserve.commands import EXIT_USAGE, main
+    from aserve.profiles.machine import cpu_flags, machine
+
+    meta = {"model": "default", "device": "cpu", "dtype": "float32", "attention": "sdpa", "kernels": "fallback",
+            "threads": 2, "machine": machine(), "cpu_flags": cpu_flags(), "date": date.today().isoformat(),
+            "rest": {"at_rest": True}}
+    profile = tmp_path / "P.json"
+    profile.write_text(json.dumps(CostModel(FLAT.tokens, FLAT.linear_s, 0.0, 0.0, meta=meta).to_json()))
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 0.02 * i, "prompt_tokens": 40, "output_tokens": 4}) + "\n"
+                             for i in range(6)))
+
+    def replay(threads: int, *flags: str) -> int:
+        return main(["replay", str(trace), "--device", f"sim:{profile}", "--mode", "disagg", "--prefill", "1",
+                     "--decode", "1", "--threads", str(threads), "--dtype", "fp32", "--attention", "sdpa",
+                     "--kernels", "fallback", "--predictor", "none", "--no-warmup", "--no-progress",
+                     "--json", str(tmp_path / f"out{threads}{len(flags)}.json"), *flags])
+
+    assert replay(2) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"sim:{profile} was measured for another engine than the one simulated: threads 2 in the profile, 1 " \
+           "for these instances" in err
+    assert f"aserve profile device --threads 1 --dtype fp32 --attention sdpa --kernels fallback --out {profile}" in err
+    assert replay(4) == 0  # two threads each: what it measured
+    assert replay(2, "--allow-profile-mismatch") == 0
+    assert "used anyway (--allow-profile-mismatch)" in capsys.readouterr().err
+
+
+def test_a_replay_on_the_h100_profile_completes(tmp_path):
+    """The second shipped hardware profile from the command line: Llama-3-8B on H100s, coupled."""
+    trace = [{"timestamp": 0.01 * i, "prompt_tokens": 200 + 150 * i, "output_tokens": 8 + i} for i in range(10)]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in trace))
+    out = tmp_path / "h100.json"
+    from aserve.commands import main
+
+    assert main(["replay", str(path), "--device", "sim:llama3-8b-h100-80gb", "--mode", "coupled", "--instances",
+                 "2", "--predictor", "none", "--no-warmup", "--no-progress", "--json", str(out)]) == 0
+    (s,) = json.loads(out.read_text())["systems"].values()
+    assert s["completed"] == 10 and s["output_tokens"] == sum(r["output_tokens"] for r in trace)
+    assert s["ttft"]["mean"] < 0.5  # prompts of 200-1,550 tokens at ~34k tokens/s, two instances

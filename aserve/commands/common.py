@@ -54,6 +54,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="automatic prefix caching: full KV blocks stay cached after their requests end and a prompt "
                         "starts on the longest cached chain of its blocks (same cache_salt only); evicted least "
                         "recently used when the pool needs room (default: on, as vLLM v1)")
+    g.add_argument("--allow-profile-mismatch", action="store_true",
+                   help="use a measured profile (sim:FILE.json, from 'aserve profile device --out') even where it was "
+                        "measured for another engine than the simulated instances' (threads each, dtype, attention, "
+                        "kernels, model), with a warning; without it such a profile is refused with the command "
+                        "that measures the right one")
     g.add_argument("--cache-dir", default=None, help="where the dequantised default model is cached")
     g.add_argument("--seed", type=int, default=0)
 
@@ -212,8 +217,9 @@ def bundle_engine(a: argparse.Namespace):
     """The engine fields that decide the loaded model (and what a profile measures), nothing derived."""
     from aserve.config import EngineConfig
 
-    return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention,
-                        block_size=a.block_size, cache_dir=a.cache_dir)
+    return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention, kernels=a.kernels,
+                        block_size=a.block_size, cache_dir=a.cache_dir,
+                        allow_profile_mismatch=a.allow_profile_mismatch)
 
 
 def keep_margin_arg(text: str) -> Optional[int]:
@@ -293,7 +299,8 @@ def engine_config(a: argparse.Namespace, context: Optional[int] = None, derive: 
                         budget_context=context,
                         max_num_seqs=a.max_num_seqs, batching=a.batching, swap_gb=a.swap_gb,
                         swap_dtype=a.swap_dtype, num_threads=a.threads, enforce_eager=a.enforce_eager,
-                        enable_prefix_caching=a.enable_prefix_caching, cache_dir=a.cache_dir, seed=a.seed)
+                        enable_prefix_caching=a.enable_prefix_caching, cache_dir=a.cache_dir, seed=a.seed,
+                        allow_profile_mismatch=a.allow_profile_mismatch)
 
 
 def parse_options(items: list[str], field: str = "option") -> dict:

@@ -9,10 +9,15 @@ from aserve.commands.common import add_engine_args
 def register(subparsers) -> None:
     pr = subparsers.add_parser("profile", help="measure the engine to choose settings")
     prsub = pr.add_subparsers(dest="profile", required=True)
-    pd = prsub.add_parser("device", help="this machine's step costs (the chunk size and token budget defaults "
-                                         "come from them; a simulated device can run on them)")
+    pd = prsub.add_parser("device", help="this machine's step costs, taken at rest (the chunk size and token budget "
+                                         "defaults come from them; a simulated device can run on them)")
     pd.add_argument("--out", default=None, help="also write the profile (JSON) here")
     pd.add_argument("--reps", type=int, default=3, help="timed steps per point, after one warm-up (median)")
+    pd.add_argument("--allow-busy", action="store_true",
+                    help="save the profile even where the machine was not at rest (other processes' CPU use over "
+                         "0.25 cores before or during the measurement, or the probe step more than 20%% slower or "
+                         "faster at the end than at the start): its meta records it and every later use warns. "
+                         "Without it such a profile is refused and nothing is saved")
     g = pd.add_argument_group("calibration on replays' steps (no measuring; docs/SIMULATION.md)")
     g.add_argument("--from-steps", nargs="+", default=None, metavar="FILE",
                    help="refit the cost model on these step logs (aserve replay --step-log) and write it to --out")
@@ -58,8 +63,9 @@ def _engine(a: argparse.Namespace):
     """The engine as measured: the budget a run would derive does not matter here."""
     from aserve.config import EngineConfig
 
-    return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention, block_size=a.block_size,
-                        num_threads=a.threads, cache_dir=a.cache_dir, seed=a.seed)
+    return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention, kernels=a.kernels,
+                        block_size=a.block_size, num_threads=a.threads, cache_dir=a.cache_dir, seed=a.seed,
+                        allow_profile_mismatch=a.allow_profile_mismatch)
 
 
 def cmd_profile_budget(a: argparse.Namespace) -> int:
@@ -83,7 +89,7 @@ def cmd_profile_device(a: argparse.Namespace) -> int:
         return _calibrate(a)
     if a.reps < 1:
         raise ValueError(f"--reps must be >= 1, got {a.reps}")
-    measure_and_save(_engine(a), a.threads or os.cpu_count() or 1, a.reps, a.out)
+    measure_and_save(_engine(a), a.threads or os.cpu_count() or 1, a.reps, a.out, allow_busy=a.allow_busy)
     return 0
 
 
@@ -125,6 +131,12 @@ def _base_profile(a: argparse.Namespace):
     if cost is None:
         raise ValueError(f"no cached profile of this machine at {a.threads} thread(s): run "
                          f"'aserve profile device --threads {a.threads}' first, or give --base FILE")
+    from aserve.profiles import profile_check
+    from aserve.profiles.machine import cpu_flags
+
+    for line in profile_check.load_warnings(f"this machine's profile at {a.threads} thread(s)", cost.meta, machine(),
+                                            cpu_flags(), command=profile_check.measure_command(e, a.threads)):
+        profile_check.warn(line)
     return cost
 
 

@@ -89,13 +89,30 @@ def make_device(name: str, bundle: ModelBundle, cfg: EngineConfig, num_threads: 
 
 
 def _profile(spec: str, cfg: EngineConfig, threads: Optional[int]) -> SimProfile:
+    """The profile ``sim:spec`` names, for instances of ``cfg`` at ``threads`` torch threads
+    each. A measured file is checked against them (aserve/profiles/profile_check.py): refused
+    where it was measured for another engine, warned about where it is old, of another machine
+    or was measured busy; ``sim:local`` is measured for them if the cached one is not."""
     if spec != "local":
-        return _shipped_or_file(spec)
+        profile = _shipped_or_file(spec)
+        if profile.measured:
+            _check_measured(f"sim:{spec}", profile.cost.meta, cfg, threads or 1, spec)
+        return profile
     from aserve.profiles.device_profile import load_or_measure
 
-    real = EngineConfig(model=cfg.model, dtype=cfg.dtype, attention=cfg.attention, block_size=cfg.block_size,
-                        cache_dir=cfg.cache_dir)  # the cpu this simulation stands for
+    real = EngineConfig(model=cfg.model, dtype=cfg.dtype, attention=cfg.attention, kernels=cfg.kernels,
+                        block_size=cfg.block_size, cache_dir=cfg.cache_dir)  # the cpu this simulation stands for
     return load_profile("local", load_or_measure(real, threads or 1))
+
+
+def _check_measured(name: str, meta: dict, cfg: EngineConfig, threads: int, path: str) -> None:
+    from aserve.profiles import profile_check
+    from aserve.profiles.machine import cpu_flags, machine
+
+    here = machine()
+    wanted = profile_check.instance_fields(cfg, threads, meta, same_machine=meta.get("machine", here) == here)
+    profile_check.check(name, meta, wanted, profile_check.measure_command(cfg, threads, path),
+                        cfg.allow_profile_mismatch, here, cpu_flags())
 
 
 @functools.lru_cache(maxsize=16)

@@ -49,7 +49,8 @@ def instance_threads(engine: EngineConfig, cluster: Optional[ClusterConfig]) -> 
 def model_engine(engine: EngineConfig) -> EngineConfig:
     """The engine fields that decide the model (and what a profile measures), nothing derived."""
     return EngineConfig(model=engine.model, dtype=engine.dtype, device=engine.device, attention=engine.attention,
-                        block_size=engine.block_size, cache_dir=engine.cache_dir)
+                        kernels=engine.kernels, block_size=engine.block_size, cache_dir=engine.cache_dir,
+                        allow_profile_mismatch=engine.allow_profile_mismatch)
 
 
 def measured_cost(engine: EngineConfig, threads: int):

@@ -10,10 +10,13 @@
 - ``sim:opt-13b-v100-32gb`` (shipped, aserve/profiles/sim_profiles/): a model and a GPU from
   public figures, with the efficiency factors stated and justified in the file; KV capacity from
   the GPU's memory less the weights; its own model's shape (OPT-13B: 819,200 B of KV a token).
+- ``sim:llama3-8b-h100-80gb`` (shipped): Llama-3-8B in bf16 on one H100 SXM5 80GB, the same way
+  (131,072 B of KV a token).
 - ``sim:local``: this machine's measured engine (``aserve profile device`` at the instances'
   threads) and the served model; KV capacity from ``--kv-cache-gb``, as a real instance's.
 - ``sim:FILE.json``: a cost model file (``aserve profile device --out``) like ``local``, or a
-  hardware file shaped like the shipped ones.
+  hardware file shaped like the shipped ones. A measured one (``local`` too) is checked against
+  the instances it times (aserve/devices/factory.py, aserve/profiles/profile_check.py).
 
 On the virtual-time loop (aserve/devices/virtual_time.py) a replay runs as fast as the host
 computes the schedules; on a normal loop the sleeps pace it to wall time.
@@ -45,6 +48,7 @@ class SimProfile:
     kv_capacity_bytes: Optional[int] = None  # None: --kv-cache-gb, as a real instance
     host_swap_bytes: Optional[int] = None  # None: --swap-gb
     about: str = ""
+    measured: bool = False  # a cost model measured on a machine (aserve profile device): checked against its instances
 
     def model_args(self) -> Optional[ModelArgs]:
         return ModelArgs.from_hf(self.model) if self.model else None
@@ -54,12 +58,15 @@ def hardware_cost(spec: dict) -> tuple[CostModel, int]:
     """A profile file's step costs from its hardware figures and efficiencies (and the KV bytes
     it leaves), by the roofline: a step reads every weight once and multiplies every row through
     every weight; prompt attention costs 4 x hidden FLOPs per query-key pair per layer; a decode
-    row reads its context's KV."""
+    row reads its context's KV. ``embedding_params`` (optional, 0 when absent) are the input
+    embedding's: a lookup, neither read whole nor multiplied by a step, but held in memory (a
+    fifteenth of Llama-3-8B's, whose LM head is a matrix of its own)."""
     hw, eff = spec["hardware"], spec["efficiency"]
     args = ModelArgs.from_hf(spec["model"])
     weight_bytes = spec["num_params"] * spec["dtype_bytes"]
-    read_s = weight_bytes / (hw["memory_bytes_per_s"] * eff["memory_read"])
-    row_s = 2 * spec["num_params"] / (hw["peak_flops"] * eff["gemm"])
+    matmul_params = spec["num_params"] - spec.get("embedding_params", 0)
+    read_s = matmul_params * spec["dtype_bytes"] / (hw["memory_bytes_per_s"] * eff["memory_read"])
+    row_s = 2 * matmul_params / (hw["peak_flops"] * eff["gemm"])
     linear = tuple(eff["step_overhead_s"] + read_s + n * row_s for n in GRID)
     pair_s = 4 * args.hidden_size * args.num_layers / (hw["peak_flops"] * eff["attention"])
     kv_token_s = args.kv_bytes_per_token / (hw["memory_bytes_per_s"] * eff["memory_read"])
@@ -77,14 +84,15 @@ def load_profile(spec: str, local: Optional[CostModel] = None) -> SimProfile:
     if spec == "local":
         if local is None:
             raise ValueError("sim:local needs this machine's profile (aserve profile device)")
-        return SimProfile("local", local, about="this machine's measured engine")
+        return SimProfile("local", local, about="this machine's measured engine", measured=True)
     path = Path(spec) if spec.endswith(".json") else PROFILE_DIR / f"{spec}.json"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.json")))
         raise ValueError(f"bad --device sim:{spec}: no such profile; known: {known}, local, or a .json file")
     data = json.loads(path.read_text())
     if "tokens" in data:  # a measured cost model (aserve profile device --out)
-        return SimProfile(path.stem, CostModel.from_json(data), about=f"measured: {data.get('meta', {})}")
+        return SimProfile(path.stem, CostModel.from_json(data), about=f"measured: {data.get('meta', {})}",
+                          measured=True)
     cost, kv_bytes = hardware_cost(data)
     return SimProfile(data.get("name", path.stem), cost, data["model"], kv_bytes,
                       data["hardware"].get("host_swap_bytes"), data.get("about", ""))

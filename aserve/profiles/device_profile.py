@@ -15,11 +15,17 @@ instance's torch threads:
 then the fit is checked against steps it was not fitted on (a prompt chunk at another size and
 context, decode batches of another size, a Sarathi hybrid iteration) and their errors printed and
 kept in the profile's ``meta``.
+
+A profile is taken at rest (aserve/profiles/rest.py): other processes' CPU use is read for a
+second before and over the whole measurement, and the ``linear(16)`` point is timed again at
+the end (the probe); ``meta["rest"]`` keeps what was seen. ``aserve profile device`` refuses to
+save a profile measured on a busy machine unless ``--allow-busy`` (then every later use warns);
+one measured on first need (``load_or_measure``) while busy serves this process only and is not
+cached. Whoever uses a profile checks it against its instances (aserve/profiles/profile_check.py).
 """
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import threading
 import time
@@ -28,7 +34,9 @@ from typing import Callable, Optional
 
 import torch
 
+from aserve.profiles import profile_check, rest
 from aserve.profiles.cost_model import CostModel, fit_attention
+from aserve.profiles.machine import cpu_flags, machine
 from aserve.devices.runner import ModelRunner
 from model.kv_cache import KVCache
 from scheduling.block_manager import BlockManager, blocks_needed
@@ -36,6 +44,7 @@ from scheduling.step import GREEDY, SeqStep, StepPlan
 
 GRID = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
 DECODE_BATCH = 16
+PROBE_ROWS = 16  # the probe step (timed in the grid, and again at the end): 16 rows of one token of context
 LOGITS_ROWS = (1, 64)
 # what a measured profile holds; a cached one of an older version is measured again.
 # 2 (2026-11-26): the LM head's cost a row (before: 0, and prefill attention fitted on that error)
@@ -103,6 +112,7 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, device: str, threads: in
     before = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(threads)
+    first = rest.sample()
     try:
         runner, blocks = pool_for(model, dtype, device)
         steps = _Steps(runner, blocks, reps)
@@ -128,10 +138,15 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, device: str, threads: in
         tick("contention")
         contention = _contention(model, dtype, device, threads, steps)
         checks = _checks(fitted, steps, tick)
+        tick("probe")  # the first probe was the grid's point at PROBE_ROWS, minutes ago
+        probe_last = steps.time(decodes=[1] * PROBE_ROWS)
     finally:
         torch.set_num_threads(before)
-    info = {**(meta or {}), "threads": threads, "machine": machine(), "date": date.today().isoformat(),
-            "reps": reps, "checks": checks, "contention_measured": contention is not None, "version": PROFILE_VERSION}
+    seen = {"others_cores_during": rest.others_cores(first, rest.sample()),
+            "probe_first_s": linear[GRID.index(PROBE_ROWS)], "probe_last_s": probe_last}
+    info = {**(meta or {}), "threads": threads, "machine": machine(), "cpu_flags": cpu_flags(),
+            "date": date.today().isoformat(), "reps": reps, "checks": checks,
+            "contention_measured": contention is not None, "version": PROFILE_VERSION, "rest": seen}
     return CostModel(GRID, tuple(linear), fitted.attn_prefill_s, fitted.attn_decode_s, contention or 0.0, info,
                      logits_row_s=logits_row)
 
@@ -204,39 +219,48 @@ def _checks(model: CostModel, steps: _Steps, tick: Tick) -> list[dict]:
     return out
 
 
-def machine() -> str:
-    """The CPU (or GPU) a profile was measured on: a profile of one machine says little of another."""
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{name}, {os.cpu_count()} cores"
-
-
 def num_points() -> int:
-    return len(GRID) + 1 + len(DECODE_CONTEXTS) + len(PREFILL_POINTS) + 1 + len(CHECKS)
+    return len(GRID) + 1 + len(DECODE_CONTEXTS) + len(PREFILL_POINTS) + 1 + len(CHECKS) + 1
+
+
+# measured on first need while the machine was busy: used by this process, never cached (module doc)
+_UNSAVED: dict[tuple, CostModel] = {}
 
 
 def load_or_measure(cfg, threads: int, quiet: bool = False) -> CostModel:
     """The saved profile of ``cfg``'s model, device and dtype at ``threads``, or measured now (with
-    a progress line on stderr) and saved: the first run that needs it pays about half a minute."""
+    a progress line on stderr) and saved: the first run that needs it pays about half a minute.
+    A saved one of other ISA flags, or measured with another attention backend or kernels than
+    ``cfg``'s, is measured again (as one of another machine is). What the profile used does not
+    record or was not sure of (busy, old) is said once on stderr."""
     from aserve.profiles.profile_store import cost_model
 
-    cost = cost_model(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, threads, machine(), PROFILE_VERSION)
-    if cost is not None:
-        return cost
-    return measure_and_save(cfg, threads, quiet=quiet, why="once, for the chunk size and the token budget")
+    key = (cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, cfg.attention, cfg.kernels, threads)
+    cost = _UNSAVED.get(key) or cost_model(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, threads, machine(),
+                                           PROFILE_VERSION)
+    if cost is not None and (cost.meta.get("cpu_flags", cpu_flags()) != cpu_flags() or profile_check.mismatches(
+            cost.meta, profile_check.instance_fields(cfg, threads, cost.meta, same_machine=True))):
+        cost = None
+    if cost is None:
+        cost = measure_and_save(cfg, threads, quiet=quiet, why="once, for the chunk size and the token budget",
+                                on_need=True)
+        if not cost.meta["rest"]["at_rest"]:
+            _UNSAVED[key] = cost
+    command = profile_check.measure_command(cfg, threads)
+    for line in profile_check.load_warnings(f"this machine's profile at {threads} thread(s)", cost.meta, machine(),
+                                            cpu_flags(), command=command):
+        profile_check.warn(line)
+    return cost
 
 
 def measure_and_save(cfg, threads: int, reps: int = 3, out: Optional[str] = None, quiet: bool = False,
-                     why: str = "") -> CostModel:
-    """Measure (progress on stderr), save in the cache (and to ``out``), print the fit and its checks."""
+                     why: str = "", allow_busy: bool = False, on_need: bool = False) -> CostModel:
+    """Measure (progress on stderr), save in the cache (and to ``out``), print the fit and its
+    checks. On a machine not at rest (aserve/profiles/rest.py): a ValueError before measuring
+    (others busy in the first second) or after (nothing saved), unless ``allow_busy`` (saved, its
+    meta says so) or ``on_need`` (a run that needs it now: returned with a warning, not saved)."""
     import sys
+    from dataclasses import replace
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -249,6 +273,10 @@ def measure_and_save(cfg, threads: int, reps: int = 3, out: Optional[str] = None
     if not quiet:
         console.print(f"aserve: profiling the engine at {threads} thread(s){' ' + why if why else ''} "
                       f"(aserve profile device)", highlight=False)
+    before = rest.look()
+    early = rest.verdict(before, None)
+    if not (early["at_rest"] or allow_busy or on_need):
+        raise ValueError(f"the machine is not at rest: {early['why'][0]}. {_BUSY_COST} Nothing measured. {_BUSY_WAYS}")
     bundle = ModelBundle.load(cfg)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     t0 = time.perf_counter()
@@ -258,16 +286,31 @@ def measure_and_save(cfg, threads: int, reps: int = 3, out: Optional[str] = None
         def tick(label: str) -> None:
             bar.update(task, description=f"profiling: {label}", advance=1)
 
+        attention = pick_backend(cfg.attention, cfg.device, bundle.kernels != "fallback", cfg.block_size, bundle.dtype)
         cost = measure(bundle.model, bundle.dtype, cfg.device, threads, reps, tick,
-                       meta={"model": cfg.model, "device": cfg.device, "dtype": str(bundle.dtype).removeprefix("torch."),
-                             "attention": pick_backend(cfg.attention, cfg.device, bundle.kernels != "fallback",
-                                                                 cfg.block_size, bundle.dtype)})
-    path = save_cost_model(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, threads, cost)
+                       meta={"model": cfg.model, "device": cfg.device, "attention": attention,
+                             "kernels": bundle.kernels, "dtype": str(bundle.dtype).removeprefix("torch.")})
+    seen = cost.meta["rest"]
+    verdict = rest.verdict(before, seen["others_cores_during"], seen["probe_first_s"], seen["probe_last_s"], allow_busy)
+    cost = replace(cost, meta={**cost.meta, "rest": verdict})
+    busy = "; ".join(verdict["why"])
+    if busy and not (allow_busy or on_need):
+        raise ValueError(f"the machine was not at rest while profiling: {busy}. {_BUSY_COST} Nothing saved. "
+                         f"{_BUSY_WAYS}")
+    if busy and allow_busy:
+        profile_check.warn(f"the machine was not at rest while profiling ({busy}); kept anyway (--allow-busy): "
+                           "every use of this profile will say so")
+    path = None if busy and on_need else save_cost_model(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, threads, cost)
     if out:
         cost.save(out)
     if not quiet:
         _print(console, cost, time.perf_counter() - t0, path, out)
     return cost
+
+
+_BUSY_COST = ("A profile measured so times every step too slow, and so every SLO corner, token budget, chunk size "
+              "and sim:local estimate read from it.")
+_BUSY_WAYS = "Run it again once the other work is done, or pass --allow-busy to keep it anyway (every later use warns)."
 
 
 def _print(console, cost: CostModel, seconds: float, path, out: Optional[str]) -> None:
@@ -290,5 +333,8 @@ def _print(console, cost: CostModel, seconds: float, path, out: Optional[str]) -
     for c in cost.meta["checks"]:
         checks.add_row(c["step"], f"{c['measured_s'] * 1e3:.1f}", f"{c['predicted_s'] * 1e3:.1f}", f"{c['error']:+.1%}")
     console.print(checks)
-    console.print(f"saturate chunk {cost.saturate_chunk()}; measured in {seconds:.0f} s; saved to {path}"
-                  + (f" and {out}" if out else ""), highlight=False)
+    seen = cost.meta["rest"]
+    console.print(f"{'at rest' if seen['at_rest'] else 'NOT at rest'}: {rest.describe(seen)}", highlight=False)
+    where = [str(p) for p in (path, out) if p]
+    console.print(f"saturate chunk {cost.saturate_chunk()}; measured in {seconds:.0f} s; "
+                  + (f"saved to {' and '.join(where)}" if where else "not saved"), highlight=False)
