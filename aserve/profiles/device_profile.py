@@ -20,8 +20,9 @@ A profile is taken at rest (aserve/profiles/rest.py): other processes' CPU use i
 second before and over the whole measurement, and the ``linear(16)`` point is timed again at
 the end (the probe); ``meta["rest"]`` keeps what was seen. ``aserve profile device`` refuses to
 save a profile measured on a busy machine unless ``--allow-busy`` (then every later use warns);
-one measured on first need (``load_or_measure``) while busy serves this process only and is not
-cached. Whoever uses a profile checks it against its instances (aserve/profiles/profile_check.py).
+one measured on first need (``load_or_measure``) while busy is cached marked busy (every use warns)
+and measured again by the first run that needs it on a machine at rest (a one-second look), so a
+busy suite measures once, not at every start. Whoever uses a profile checks it against its instances (aserve/profiles/profile_check.py).
 """
 from __future__ import annotations
 
@@ -223,8 +224,8 @@ def num_points() -> int:
     return len(GRID) + 1 + len(DECODE_CONTEXTS) + len(PREFILL_POINTS) + 1 + len(CHECKS) + 1
 
 
-# measured on first need while the machine was busy: used by this process, never cached (module doc)
-_UNSAVED: dict[tuple, CostModel] = {}
+# saved profiles measured busy that this process looked at once and kept (the machine was busy then too)
+_KEPT_BUSY: dict[tuple, CostModel] = {}
 
 
 def load_or_measure(cfg, threads: int, quiet: bool = False) -> CostModel:
@@ -236,16 +237,19 @@ def load_or_measure(cfg, threads: int, quiet: bool = False) -> CostModel:
     from aserve.profiles.profile_store import cost_model
 
     key = (cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, cfg.attention, cfg.kernels, threads)
-    cost = _UNSAVED.get(key) or cost_model(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, threads, machine(),
-                                           PROFILE_VERSION)
+    cost = _KEPT_BUSY.get(key) or cost_model(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, threads, machine(),
+                                             PROFILE_VERSION)
     if cost is not None and (cost.meta.get("cpu_flags", cpu_flags()) != cpu_flags() or profile_check.mismatches(
             cost.meta, profile_check.instance_fields(cfg, threads, cost.meta, same_machine=True))):
         cost = None
+    why = "once, for the chunk size and the token budget"
+    if cost is not None and key not in _KEPT_BUSY and not cost.meta.get("rest", {}).get("at_rest", True):
+        if rest.verdict(rest.look(), None)["at_rest"]:  # measured busy, and the machine is at rest now: again
+            cost, why = None, "again: the saved one was measured while the machine was busy"
+        else:
+            _KEPT_BUSY[key] = cost
     if cost is None:
-        cost = measure_and_save(cfg, threads, quiet=quiet, why="once, for the chunk size and the token budget",
-                                on_need=True)
-        if not cost.meta["rest"]["at_rest"]:
-            _UNSAVED[key] = cost
+        cost = measure_and_save(cfg, threads, quiet=quiet, why=why, on_need=True)
     command = profile_check.measure_command(cfg, threads)
     for line in profile_check.load_warnings(f"this machine's profile at {threads} thread(s)", cost.meta, machine(),
                                             cpu_flags(), command=command):
@@ -258,7 +262,7 @@ def measure_and_save(cfg, threads: int, reps: int = 3, out: Optional[str] = None
     """Measure (progress on stderr), save in the cache (and to ``out``), print the fit and its
     checks. On a machine not at rest (aserve/profiles/rest.py): a ValueError before measuring
     (others busy in the first second) or after (nothing saved), unless ``allow_busy`` (saved, its
-    meta says so) or ``on_need`` (a run that needs it now: returned with a warning, not saved)."""
+    meta says so) or ``on_need`` (a run that needs it now: saved marked busy, with a warning)."""
     import sys
     from dataclasses import replace
 
@@ -300,7 +304,7 @@ def measure_and_save(cfg, threads: int, reps: int = 3, out: Optional[str] = None
     if busy and allow_busy:
         profile_check.warn(f"the machine was not at rest while profiling ({busy}); kept anyway (--allow-busy): "
                            "every use of this profile will say so")
-    path = None if busy and on_need else save_cost_model(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, threads, cost)
+    path = save_cost_model(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, threads, cost)
     if out:
         cost.save(out)
     if not quiet:

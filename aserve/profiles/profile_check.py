@@ -93,7 +93,7 @@ def load_warnings(name: str, meta: dict, this_machine: str, these_flags: list[st
     if isinstance(rest, dict) and not rest.get("at_rest", True):
         why = "; ".join(rest.get("why", ())) or "the machine was busy"
         kept = "kept with --allow-busy" if rest.get("allowed_busy") else \
-            "measured on first need: this run only, not cached"
+            "measured on first need; measured again by the first run that finds the machine at rest"
         out.append(f"{name} was measured while the machine was not at rest ({why}; {kept}): its step times are "
                    f"likely too slow. Measure again at rest: {command}")
     missing = unknown(meta)
