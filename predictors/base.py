@@ -279,6 +279,12 @@ class LengthPredictor(abc.ABC):
         if not fitted:
             raise RuntimeError(f"the {self.name!r} predictor is not trained: call fit() or load() first")
 
+    def _fitted_prompts(self, fitted: bool, requests: Sequence[Item]) -> list[tuple[str, int]]:
+        """A trained backend's first step of ``predict``: refuse if it is untrained, then each
+        request's (prompt text, prompt tokens)."""
+        self._check_fitted(fitted)
+        return [prompt_of(r) for r in requests]
+
 
 _POOLS = None  # threadpoolctl's controller, made once the BLAS/OpenMP libraries are loaded
 

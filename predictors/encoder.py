@@ -50,6 +50,29 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return pick_dtype(name, device)
 
 
+class EncoderBacked:
+    """What the predictors over a frozen text encoder share (lm, retrieval): the encoder is built on
+    first use by the backend's ``_load_encoder`` (constructing a predictor stays cheap), in the
+    dtype its ``dtype`` name resolves to on its ``device``."""
+
+    dtype: str
+    device: str
+    _encoder: Optional["TextEncoder"] = None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.device)
+
+    @property
+    def encoder(self) -> "TextEncoder":
+        if self._encoder is None:
+            self._encoder = self._load_encoder()
+        return self._encoder
+
+    def _load_encoder(self) -> "TextEncoder":
+        raise NotImplementedError
+
+
 def _layer_list(model: torch.nn.Module) -> Optional[torch.nn.ModuleList]:
     """The stack of transformer blocks of a LLaMA-, OPT- or BERT-like model (None if unknown)."""
     for dotted in ("layers", "decoder.layers", "encoder.layer", "model.layers", "model.decoder.layers"):

@@ -45,7 +45,7 @@ import numpy as np
 
 from predictors.base import Item, LengthPredictor, examples_arrays, max_tokens_of, pick, prompt_of
 from predictors.dataset import Example
-from predictors.encoder import ENCODER_DTYPES, resolve_dtype
+from predictors.encoder import ENCODER_DTYPES, EncoderBacked
 from predictors.features_cache import FeatureCache
 from predictors.head import Head, HeadConfig
 from scheduling.request import LengthRange
@@ -53,7 +53,7 @@ from scheduling.request import LengthRange
 HEAD_FILE = "head.safetensors"
 
 
-class LMPredictor(LengthPredictor):
+class LMPredictor(EncoderBacked, LengthPredictor):
     """Frozen small-LM backbone + trained classification head."""
 
     name = "lm"
@@ -80,21 +80,13 @@ class LMPredictor(LengthPredictor):
                 "head_width": self.head_cfg.width, "epochs": self.head_cfg.epochs, "mode": self.mode,
                 "cache_dir": self.cache_dir, "device": self.device, "seed": self.seed}
 
-    @property
-    def torch_dtype(self):
-        return resolve_dtype(self.dtype, self.device)
+    def _load_encoder(self):
+        """The frozen backbone: the served model's first ``num_layers`` layers."""
+        from model.loader import resolve_model
+        from predictors.encoder import TextEncoder
 
-    @property
-    def encoder(self):
-        """The frozen backbone, loaded on first use (constructing a predictor stays cheap)."""
-        if self._encoder is None:
-            from model.loader import resolve_model
-            from predictors.encoder import TextEncoder
-
-            path = resolve_model(self.model)
-            self._encoder = TextEncoder(path, self.pooling, self.max_tokens, self.num_layers,
-                                        chat_template=self.chat_template, dtype=self.torch_dtype, device=self.device)
-        return self._encoder
+        return TextEncoder(resolve_model(self.model), self.pooling, self.max_tokens, self.num_layers,
+                           chat_template=self.chat_template, dtype=self.torch_dtype, device=self.device)
 
     def _settings(self) -> dict:
         enc = self.encoder
@@ -119,10 +111,9 @@ class LMPredictor(LengthPredictor):
         return self
 
     def predict(self, requests: Sequence[Item]) -> list[LengthRange]:
-        self._check_fitted(self.head is not None)
-        if not requests:
+        pairs = self._fitted_prompts(self.head is not None, requests)
+        if not pairs:
             return []
-        pairs = [prompt_of(r) for r in requests]
         return self._ranges(self._inputs([p[0] for p in pairs], np.array([p[1] for p in pairs]), None), requests)
 
     # ---- features from the served prefill: the backbone is the served model's first layers ---------

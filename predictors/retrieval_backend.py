@@ -35,7 +35,7 @@ import numpy as np
 
 from predictors.base import Item, LengthPredictor, max_tokens_of, one_thread, pick, prompt_of
 from predictors.dataset import Example
-from predictors.encoder import ENCODER_DTYPES, resolve_dtype
+from predictors.encoder import ENCODER_DTYPES, EncoderBacked
 from predictors.features_cache import FeatureCache, text_hash
 from predictors.vector_index import VectorIndex
 from scheduling.request import LengthRange
@@ -45,7 +45,7 @@ RECENT = 4096  # embeddings kept between predict and observe
 COMBINE = ("vote", "mean")
 
 
-class RetrievalPredictor(LengthPredictor):
+class RetrievalPredictor(EncoderBacked, LengthPredictor):
     """Nearest past prompts by embedding, similarity-weighted mean length; MLP when none is close."""
 
     name = "retrieval"
@@ -75,19 +75,11 @@ class RetrievalPredictor(LengthPredictor):
                 "dtype": self.dtype, "capacity": self.capacity, "cache_dir": self.cache_dir, "device": self.device,
                 "seed": self.seed}
 
-    @property
-    def torch_dtype(self):
-        return resolve_dtype(self.dtype, self.device)
+    def _load_encoder(self):
+        from predictors.encoder import TextEncoder, minilm_path
 
-    @property
-    def encoder(self):
-        if self._encoder is None:
-            from predictors.encoder import TextEncoder, minilm_path
-
-            self._encoder = TextEncoder(minilm_path(), "mean", self.max_tokens, normalize=True,
-                                        dtype=self.torch_dtype,
-                                        device=self.device)
-        return self._encoder
+        return TextEncoder(minilm_path(), "mean", self.max_tokens, normalize=True, dtype=self.torch_dtype,
+                           device=self.device)
 
     def _settings(self) -> dict:
         return {"backbone": "all-MiniLM-L6-v2", "max_tokens": self.max_tokens, "dtype": str(self.torch_dtype)}
@@ -131,10 +123,9 @@ class RetrievalPredictor(LengthPredictor):
         return emb
 
     def predict(self, requests: Sequence[Item]) -> list[LengthRange]:
-        self._check_fitted(self.index is not None)
-        if not requests:
+        pairs = self._fitted_prompts(self.index is not None, requests)
+        if not pairs:
             return []
-        pairs = [prompt_of(r) for r in requests]
         emb = self._embed([p[0] for p in pairs])
         sims, lens = self.index.search(emb, self.k)
         near = sims >= self.threshold  # [m, k']

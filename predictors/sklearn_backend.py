@@ -37,7 +37,7 @@ import numpy as np
 from scipy import sparse
 
 from predictors.base import (Item, LengthPredictor, clip_text, examples_arrays, max_tokens_of, one_thread,
-                             pick, prompt_of)
+                             pick)
 from predictors.dataset import Example
 from scheduling.request import LengthRange
 
@@ -196,8 +196,7 @@ class SklearnPredictor(LengthPredictor):
 
     def bucket_probs(self, requests: Sequence[Item]) -> tuple[np.ndarray, np.ndarray]:
         """``(bucket, prob)`` arrays for a batch."""
-        self._check_fitted(self.features is not None)
-        pairs = [prompt_of(r) for r in requests]
+        pairs = self._fitted_prompts(self.features is not None, requests)
         if self.single is not None:
             return np.full(len(pairs), self.single), np.ones(len(pairs))
         x = self.features.transform([p[0] for p in pairs], np.array([p[1] for p in pairs]))

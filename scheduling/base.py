@@ -85,6 +85,9 @@ class Adaptive(KVSender, KVReceiver, Protocol):
     @property
     def num_started_tokens(self) -> int: ...
 
+    @property
+    def has_queued_tokens(self) -> bool: ...
+
 
 class Scheduler(ABC):
     """An instance's local scheduler. ``role`` is the instance role it serves; ``name`` the

@@ -270,7 +270,22 @@ class HybridScheduler(DecodeScheduler):
     @property
     def num_queued_tokens(self) -> int:
         """Prompt tokens (and recomputes) still to compute here."""
-        return sum(_left(r) for r in list(self._running) + list(self._waiting) if _left(r) > 1)
+        return _prompt_tokens(self._running) + _prompt_tokens(self._waiting)
+
+    @property
+    def has_queued_tokens(self) -> bool:
+        """``num_queued_tokens > 0``, found at the first prompt (placement asks it every step)."""
+        return any(_left(r) > 1 for r in self._running) or any(_left(r) > 1 for r in self._waiting)
+
+
+def _prompt_tokens(requests) -> int:
+    """Tokens the requests with a prompt (or a recompute) to compute still have to go."""
+    total = 0
+    for r in requests:
+        n = r.num_tokens - r.num_computed_tokens
+        if n > 1:
+            total += n
+    return total
 
 
 def _left(request: Request) -> int:

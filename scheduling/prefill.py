@@ -101,8 +101,7 @@ class PrefillScheduler(Scheduler):
     @property
     def num_queued_tokens(self) -> int:
         """Prompt tokens still to compute here: the load the global scheduler balances."""
-        queued = list(self._raw) + list(self._scheduled)
-        return sum(r.num_prompt_tokens - r.num_computed_tokens for r in queued)
+        return sum(r.num_prompt_tokens - r.num_computed_tokens for queue in (self._raw, self._scheduled) for r in queue)
 
     @property
     def num_requests(self) -> int:

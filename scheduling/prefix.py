@@ -39,6 +39,7 @@ KV that arrives by a hand-over).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 
@@ -61,6 +62,12 @@ def shareable_blocks(request: Request, block_size: int, caching: bool = False) -
 def _root(request: Request, caching: bool, block_size: int) -> bytes:
     """The chain's first link: the salt (cache) or the group (no cache), and the block size."""
     name = f"salt:{request.cache_salt or ''}" if caching else f"group:{request.prefix_group}"
+    return _link0(block_size, name)
+
+
+@functools.lru_cache(maxsize=4096)
+def _link0(block_size: int, name: str) -> bytes:
+    """``_root``'s digest, made once per name (placement asks it of every instance per request)."""
     return hashlib.sha256(f"aserve-kv/{block_size}/{name}".encode()).digest()
 
 

@@ -121,6 +121,18 @@ def test_placement_config_names_the_bad_field():
 
 
 # ---- the hybrid scheduler ----------------------------------------------------------------------
+def cluster_parser():
+    """The command line's engine and cluster flags, as every subcommand that builds a cluster takes them."""
+    import argparse
+
+    from aserve.commands.common import add_cluster_args, add_engine_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    add_cluster_args(p)
+    return p
+
+
 def req(rid, n, max_tokens=8):
     return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, temperature=0))
 
@@ -202,15 +214,11 @@ def test_prompt_first_runs_a_prompt_that_ends_in_a_step_of_its_own_then_pays_the
 
 
 def test_prompt_first_from_the_command_line_to_the_scheduler():
-    import argparse
-
-    from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config
+    from aserve.commands.common import cluster_config
     from aserve.config import EngineConfig
     from aserve.engine.policies import Policies
 
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    add_cluster_args(p)
+    p = cluster_parser()
     fixed = ["--chunk-size", "512", "--placement-costs", "0.02,0.0005,0.001"]  # nothing measured: a unit test
     on = cluster_config(p.parse_args(["--mode", "adaptive", "--prompt-first", *fixed]))
     assert on.prompt_first and not cluster_config(p.parse_args(["--mode", "adaptive", *fixed])).prompt_first
@@ -339,15 +347,11 @@ def test_flip_band_is_checked():
 
 
 def test_keep_margin_from_the_command_line_to_the_placement():
-    import argparse
-
     from aserve.cluster.cluster import Cluster
-    from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config
+    from aserve.commands.common import cluster_config
     from aserve.config import ClusterConfig, EngineConfig
 
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    add_cluster_args(p)
+    p = cluster_parser()
     cfg = cluster_config(p.parse_args(["--mode", "adaptive", "--keep-margin", "1"]))
     assert cfg.keep_margin == 1 and Cluster(EngineConfig(), cfg).placement.config.keep_margin == 1
     for args in ([], ["--keep-margin", "auto"]):  # priced by default
@@ -360,14 +364,10 @@ def test_keep_margin_from_the_command_line_to_the_placement():
 
 
 def test_rebalance_from_the_command_line():
-    import argparse
-
-    from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config
+    from aserve.commands.common import cluster_config
     from aserve.config import ClusterConfig
 
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    add_cluster_args(p)
+    p = cluster_parser()
     cfg = cluster_config(p.parse_args(["--mode", "adaptive"]))
     assert cfg.rebalance and cfg.rebalance_quiet_s == 10.0  # on by default, after 10 quiet seconds
     cfg = cluster_config(p.parse_args(["--mode", "adaptive", "--no-rebalance", "--rebalance-quiet", "2.5"]))
@@ -381,15 +381,11 @@ def test_rebalance_from_the_command_line():
 def test_placement_costs_pinned_from_the_command_line_reach_the_placement():
     """``--placement-costs`` replays a real run's placement prices (its report's config) on sim:,
     where they would otherwise come from the sim profile; nothing is measured when they are given."""
-    import argparse
-
     from aserve.cluster.cluster import Cluster
-    from aserve.commands.common import add_cluster_args, add_engine_args, cluster_config
+    from aserve.commands.common import cluster_config
     from aserve.config import EngineConfig
 
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    add_cluster_args(p)
+    p = cluster_parser()
     cfg = cluster_config(p.parse_args(["--mode", "adaptive", "--chunk-size", "128",
                                        "--placement-costs", "0.0625,0.003,0.0256"]))
     assert (cfg.placement_step_s, cfg.placement_prefill_token_s, cfg.placement_decode_row_s) == (0.0625, 0.003, 0.0256)

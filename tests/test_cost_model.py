@@ -35,6 +35,25 @@ def test_step_times_by_hand():
     assert COST.hybrid_s(40, 8, 300) == pytest.approx(COST.step_s([(32, 300)], [300] * 8))
 
 
+def test_a_plan_costs_to_the_digit_what_its_shape_does():
+    """``plan_s`` takes one pass over a plan's rows (a simulated device asks it every step): the
+    same number as ``step_s`` of ``plan_shape``, to the last digit, for chunks, decode rows, empty
+    rows, padding, rows that sample or not, and busy neighbours."""
+    import random
+
+    from aserve.profiles.cost_model import plan_shape
+
+    rng = random.Random(0)
+    for cost in (COST, replace(COST, logits_row_s=1e-4)):
+        for _ in range(300):
+            seqs = tuple(SeqStep(f"r{i}", tuple(range(rng.choice((0, 1, 1, 1, rng.randrange(2, 300))))),
+                                 rng.randrange(0, 2000), (0,), GREEDY if rng.random() < 0.6 else None)
+                         for i in range(rng.randrange(0, 12)))
+            plan, busy = StepPlan(seqs, num_pad_tokens=rng.randrange(0, 40)), rng.randrange(0, 3)
+            chunks, contexts, pad, sampled = plan_shape(plan)
+            assert cost.plan_s(plan, busy) == cost.step_s(chunks, contexts, pad, busy, sampled)
+
+
 def test_saturate_chunk_and_token_budget():
     # prefill tokens/s grows until the rows cost 1 ms each: the first chunk within 10% of the best
     chunk = COST.saturate_chunk(tile=16, max_chunk=256)

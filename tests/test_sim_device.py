@@ -43,20 +43,30 @@ def replay_sim(tmp_path, trace: list[dict], *flags: str, name: str = "out", cost
     return json.loads(out.read_text())
 
 
-def test_a_small_replay_matches_hand_computed_step_times(tmp_path):
-    """One coupled instance, sarathi, budget 64: request a (20 + 3 tokens) at 0, b (8 + 2) at
-    0.035. Steps: [a:20] 30 ms -> a's first token at 0.030; [a:1] 11 ms -> 0.041 (b arrived at
-    0.035 and joins the next step); [a:1, b:8] 19 ms -> a done at 0.060, b's first token 0.060;
-    [b:1] 11 ms -> b done at 0.071."""
+def replay_two(tmp_path, cost: CostModel = FLAT) -> dict:
+    """One coupled instance, sarathi, budget 64: request a (20 + 3 tokens) at 0, b (8 + 2) at 0.035."""
     report = replay_sim(tmp_path, [{"timestamp": 0.0, "prompt_tokens": 20, "output_tokens": 3},
                                    {"timestamp": 0.035, "prompt_tokens": 8, "output_tokens": 2}],
                         "--mode", "coupled", "--instances", "1", "--batching", "sarathi",
-                        "--max-num-batched-tokens", "64", "--predictor", "none")
+                        "--max-num-batched-tokens", "64", "--predictor", "none", cost=cost)
     (s,) = report["systems"].values()
     assert s["completed"] == 2 and s["output_tokens"] == 5
-    assert s["ttft"]["mean"] == pytest.approx(((0.030 - 0) + (0.060 - 0.035)) / 2)
-    assert s["jct"]["mean"] == pytest.approx(((0.060 - 0) + (0.071 - 0.035)) / 2)
-    assert s["resource_usage_s"] == pytest.approx(0.030 + 0.011 + 0.019 + 0.011)
+    return s
+
+
+def assert_two(s: dict, b_first: float, a_done: float, b_done: float, steps: tuple) -> None:
+    """``replay_two``'s figures: a's first token at 0.030 (its prompt step), b's at ``b_first``, a
+    and b done at ``a_done`` and ``b_done``, the steps' seconds adding up to the busy time."""
+    assert s["ttft"]["mean"] == pytest.approx(((0.030 - 0) + (b_first - 0.035)) / 2)
+    assert s["jct"]["mean"] == pytest.approx(((a_done - 0) + (b_done - 0.035)) / 2)
+    assert s["resource_usage_s"] == pytest.approx(sum(steps))
+
+
+def test_a_small_replay_matches_hand_computed_step_times(tmp_path):
+    """``replay_two``'s steps: [a:20] 30 ms -> a's first token at 0.030; [a:1] 11 ms -> 0.041 (b
+    arrived at 0.035 and joins the next step); [a:1, b:8] 19 ms -> a done at 0.060, b's first
+    token 0.060; [b:1] 11 ms -> b done at 0.071."""
+    assert_two(replay_two(tmp_path), 0.060, 0.060, 0.071, (0.030, 0.011, 0.019, 0.011))
 
 
 def test_a_speed_trace_slows_the_steps_that_start_in_its_window(tmp_path):
@@ -73,15 +83,7 @@ def test_a_speed_trace_slows_the_steps_that_start_in_its_window(tmp_path):
     for bad in (((1.0, 1.0), (0.5, 1.0)), ((0.0, 1.0), (0.0, 2.0)), ((0.0, 0.0),)):
         with pytest.raises(ValueError, match="speed trace"):
             replace(FLAT, speed_trace=bad)
-    report = replay_sim(tmp_path, [{"timestamp": 0.0, "prompt_tokens": 20, "output_tokens": 3},
-                                   {"timestamp": 0.035, "prompt_tokens": 8, "output_tokens": 2}],
-                        "--mode", "coupled", "--instances", "1", "--batching", "sarathi",
-                        "--max-num-batched-tokens", "64", "--predictor", "none", cost=traced)
-    (s,) = report["systems"].values()
-    assert s["completed"] == 2 and s["output_tokens"] == 5
-    assert s["ttft"]["mean"] == pytest.approx(((0.030 - 0) + (0.079 - 0.035)) / 2)
-    assert s["jct"]["mean"] == pytest.approx(((0.079 - 0) + (0.101 - 0.035)) / 2)
-    assert s["resource_usage_s"] == pytest.approx(0.030 + 0.011 + 0.038 + 0.022)
+    assert_two(replay_two(tmp_path, traced), 0.079, 0.079, 0.101, (0.030, 0.011, 0.038, 0.022))
 
 
 def test_disaggregated_sim_replay_is_deterministic_and_charges_the_link(tmp_path):

@@ -43,13 +43,15 @@ class AdaptivePlacer:
     def entry_loads(self, req: Optional[Request] = None) -> list[EntryLoad]:
         """Adaptive: every active instance as the placement sees it (with ``req``: and how much of
         its prompt each holds cached)."""
-        loads = []
-        for inst in self.instances.values():
-            if inst.state == "active" and inst.adaptive is not None:
-                cached = self._cached(inst, req)
-                loads.append(EntryLoad(inst.id, inst.role, inst.num_queued_tokens, inst.adaptive.num_decoding,
-                                       inst.blocks.num_free, inst.blocks.block_size, cached))
-        return loads
+        return [self._entry_load(inst, req) for inst in self.instances.values()
+                if inst.state == "active" and inst.adaptive is not None]
+
+    def _entry_load(self, inst: Instance, req: Optional[Request] = None,
+                    queued_tokens: Optional[int] = None) -> EntryLoad:
+        """One instance's ``EntryLoad`` (``queued_tokens``: instead of all it has queued)."""
+        queued = inst.num_queued_tokens if queued_tokens is None else queued_tokens
+        return EntryLoad(inst.id, inst.role, queued, inst.adaptive.num_decoding, inst.blocks.num_free,
+                         inst.blocks.block_size, self._cached(inst, req))
 
     def _cached(self, inst: Instance, req: Optional[Request]) -> int:
         """Tokens of ``req``'s prompt cached on ``inst`` (0 unless placement is prefix-aware)."""
@@ -90,22 +92,24 @@ class AdaptivePlacer:
                    and _fits(next(o.adaptive.unstarted(), None), free, o.blocks.block_size)
                    for o in self.instances.values()):
             return
-        loads = {ld.instance_id: ld for ld in self.entry_loads()}
-        mine = loads.get(taker.id)
+        mine = self._entry_load(taker)
         for other in self.instances.values():
-            there = loads.get(other.id)
-            if other is taker or there is None or other.adaptive is None:
+            if other is taker or other.state != "active" or other.adaptive is None:
                 continue
-            ahead, moving = other.adaptive.num_started_tokens, []
+            there, moving = None, []
             for req in other.adaptive.unstarted():
                 need, n = blocks_needed(req.num_tokens + 1, mine.block_size), req.num_tokens
-                there_now = replace(there, queued_tokens=ahead, cached_tokens=self._cached(other, req))
+                if mine.free_blocks < need:
+                    break
+                if there is None:  # its load, priced with only the work ahead of its unstarted prompts
+                    there = self._entry_load(other, queued_tokens=other.adaptive.num_started_tokens)
+                there_now = replace(there, cached_tokens=self._cached(other, req))
                 here = replace(mine, cached_tokens=self._cached(taker, req))
-                if mine.free_blocks < need or not self.placement.takes(here, there_now, n):
+                if not self.placement.takes(here, there_now, n):
                     break
                 moving.append(req.request_id)
                 mine = replace(mine, queued_tokens=mine.queued_tokens + n, free_blocks=mine.free_blocks - need)
-            for req in other.take_unstarted(moving):
+            for req in other.take_unstarted(moving) if moving else ():
                 handle = self.requests.get(req.request_id)
                 if handle is not None:
                     self.assign(handle, taker)
@@ -128,9 +132,13 @@ class AdaptivePlacer:
                         if rid in self.requests and self.requests[rid].epoch == m[1]}
         if self.moving or self.migrating or self.clock.now() - self.last_arrival < self.rebalance_quiet_s:
             return
-        loads = self.entry_loads()
-        if len(loads) < 2 or self.handoff.num_waiting or any(ld.queued_tokens for ld in loads):
+        # the loads' queued tokens, asked first as "any queued?" (found at an instance's first
+        # prompt): once arrivals stop this runs every step, and summing every queue each time was
+        # a third of an overloaded run's wall time (issue 57)
+        active = [i for i in self.instances.values() if i.state == "active" and i.adaptive is not None]
+        if len(active) < 2 or self.handoff.num_waiting or any(i.adaptive.has_queued_tokens for i in active):
             return
+        loads = self.entry_loads()
         if any(i.adaptive is not None and next(i.adaptive.unstarted(), None) is not None
                for i in self.instances.values()):
             return

@@ -367,6 +367,7 @@ class Cluster:
         if handle is None or handle.phase == "done":
             return False
         handle.aborted = True
+        self.handoff.request_changed()  # a hand-over waiting for room sees the flag
         if handle.phase == "transfer":
             return True  # the handoff task sees the flag and frees both sides
         inst = self.instances.get(handle.instance_id)

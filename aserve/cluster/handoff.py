@@ -80,6 +80,11 @@ class Handoff:
         self._rerun_after_copy: dict[str, str] = {}  # request id -> why: re-run once its copy landed
         self._room: list[_Waiter] = []  # hand-overs waiting for a decode instance with room, in order
         self._tender: Optional[asyncio.Task] = None  # wakes them (``_tend_room``) while there are any
+        # what a tick may skip on (``_tend_room``): the fewest KV tokens and the oldest lease start
+        # among the waiters, and whether one of them may have changed since the last walk
+        self._room_min_tokens: Optional[int] = None
+        self._room_min_since = float("inf")
+        self._room_changed = False
 
     # ---- views and drills --------------------------------------------------------------------
     def moving(self, instance_id: str) -> int:
@@ -112,6 +117,11 @@ class Handoff:
             return False
         self._rerun_after_copy[request_id] = why
         return True
+
+    def request_changed(self) -> None:
+        """A request was aborted or re-run (its handle's ``aborted`` or ``epoch``): if it waits in
+        the room, the next tick must see it (``_tend_room``)."""
+        self._room_changed = True
 
     # ---- the hand-over -----------------------------------------------------------------------
     async def run(self, src: Instance, handle: RequestHandle) -> None:
@@ -233,11 +243,16 @@ class Handoff:
             return False
         waiter = _Waiter(handle, handle.epoch, since)
         self._room.append(waiter)
+        tokens = handle.request.num_computed_tokens
+        self._room_min_tokens = tokens if self._room_min_tokens is None else min(self._room_min_tokens, tokens)
+        self._room_min_since = min(self._room_min_since, since)
         if self._tender is None or self._tender.done():
             self._tender = self._spawn(self._tend_room())
         try:
             await waiter.woken
         finally:
+            if waiter.woken.cancelled() or not waiter.woken.done():
+                self._room_changed = True  # not woken by a tick: the next one drops it
             waiter.woken.cancel()  # a cancelled wait leaves the room at the next tick
         return True
 
@@ -247,7 +262,13 @@ class Handoff:
         each counted against the roomiest such instance, so one freed block does not wake them
         all), and those whose request ended, was re-run, or whose lease ran out. The rest sleep
         on: in an overloaded cluster hundreds of prefilled requests wait, and retrying each one's
-        dispatch every tick cost most of a simulated run's time without placing one more."""
+        dispatch every tick cost most of a simulated run's time without placing one more.
+
+        A tick walks the room only when the walk could wake someone: the roomiest instance has
+        the blocks of the waiter that needs fewest, the oldest lease ran out, or a waiter's request
+        changed (``request_changed``) or its wait ended. Otherwise the walk would wake nobody and
+        leave the room as it is: walking hundreds of waiters every tick was a sixth of an
+        overloaded disaggregated replay's time (issue 57)."""
         while self._room:
             await asyncio.sleep(self.cfg.monitor_interval_s / 10)
             now, lease = self.clock.now(), self.cfg.lease_s
@@ -255,20 +276,30 @@ class Handoff:
                      if inst.role == "decode" and inst.state == "active"]
             most = max((room for room, _ in rooms), default=-1)  # no waiter needing more goes on
             size = max((size for _, size in rooms), default=1)  # the fewest blocks any room counts
-            waiting = []
-            for w in self._room:
-                if w.woken.done():  # its wait was cancelled
-                    continue
-                h = w.handle
-                if h.epoch != w.epoch or h.aborted or now - w.since >= lease:
-                    w.woken.set_result(None)
-                elif (blocks_needed(h.request.num_computed_tokens, size) <= most
-                      and _claim(rooms, h.request.num_computed_tokens)):
-                    w.woken.set_result(None)
-                    most = max(room for room, _ in rooms)
-                else:
-                    waiting.append(w)
-            self._room = waiting
+            if (not self._room_changed and now - self._room_min_since < lease
+                    and blocks_needed(self._room_min_tokens, size) > most):
+                continue  # blocks_needed and the lease test are monotone: nobody would go on
+            self._walk_room(now, lease, rooms, most, size)
+
+    def _walk_room(self, now: float, lease: float, rooms: list[list[int]], most: int, size: int) -> None:
+        waiting, min_tokens, min_since = [], None, float("inf")
+        for w in self._room:
+            if w.woken.done():  # its wait was cancelled
+                continue
+            h = w.handle
+            if h.epoch != w.epoch or h.aborted or now - w.since >= lease:
+                w.woken.set_result(None)
+            elif (blocks_needed(h.request.num_computed_tokens, size) <= most
+                  and _claim(rooms, h.request.num_computed_tokens)):
+                w.woken.set_result(None)
+                most = max(room for room, _ in rooms)
+            else:
+                waiting.append(w)
+                tokens = h.request.num_computed_tokens
+                min_tokens = tokens if min_tokens is None else min(min_tokens, tokens)
+                min_since = min(min_since, w.since)
+        self._room = waiting
+        self._room_min_tokens, self._room_min_since, self._room_changed = min_tokens, min_since, False
 
     def _give_up(self, src: Instance, handle: RequestHandle, why: str) -> None:
         """The KV cannot be handed over: free it on the sender, then recompute or fail the request."""

@@ -373,6 +373,7 @@ class Lifecycle:
             return  # its KV is landing on a decode instance: the hand-over re-runs it once it has
         if self.cfg.on_failure == "error":
             handle.epoch += 1
+            self.plane.handoff.request_changed()
             self.plane.finish(handle, "error", error=why)
             return
         self.recompute(handle, why)
@@ -383,6 +384,7 @@ class Lifecycle:
         after them, so the client sees a pause, not a restart."""
         req = handle.request
         handle.epoch += 1
+        self.plane.handoff.request_changed()  # a hand-over waiting for room sees the new epoch
         for inst in self.plane.instances.values():  # a handoff's reservation for it, wherever it is
             if inst.reserves_kv_for(req.request_id):
                 inst.abort(req.request_id)

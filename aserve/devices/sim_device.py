@@ -115,7 +115,8 @@ class SimDevice(Device):
         self.num_steps = 0
 
     async def _execute(self, plan: StepPlan) -> StepOutput:
-        neighbours = len(self.share.busy - {self.name})
+        busy = self.share.busy
+        neighbours = len(busy) - (self.name in busy)
         cost = self.profile.cost
         seconds = cost.plan_s(plan, neighbours)
         if cost.speed_trace:  # the logged run's speed in this step's window, counted from the first step

@@ -4,8 +4,9 @@
     asyncio.sleep(d)        -> a timer at time() + d, as ever
     nothing ready to run    -> instead of waiting for the next timer, the clock jumps to it
 
-The loop's selector is the only change: it polls the real file descriptors without waiting, and
-when none is ready and a timer is due later, advances the clock by the wait instead of sleeping.
+The loop's selector is the only change: when no callback is ready it polls the real file
+descriptors without waiting, and when none is ready and a timer is due later, advances the clock
+by the wait instead of sleeping.
 So everything written against asyncio (sleeps, timeouts, ``call_later``, the cluster monitor's
 period, the link's landing times, the replay's arrivals) runs unchanged on virtual time. Only a
 wait with no timer at all (the loop idles until another thread posts work) blocks for real.
@@ -54,8 +55,14 @@ class _JumpingSelector(selectors.BaseSelector):
         self._real.close()
 
     def select(self, timeout: Optional[float] = None):
+        if timeout is not None and timeout <= 0:
+            # callbacks are ready: the loop runs them now whatever the descriptors say, and a
+            # thread's callback is in its ready queue already (the self-pipe only wakes a loop
+            # that waits); the next poll, before the clock moves, reads what came meanwhile. A
+            # poll here was a system call every turn of a simulated run's loop (issue 57)
+            return []
         ready = self._real.select(0)
-        if ready or (timeout is not None and timeout <= 0):
+        if ready:
             return ready
         if timeout is None:  # no timer at all: only another thread can wake the loop
             return self._real.select(None)

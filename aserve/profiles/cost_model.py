@@ -58,6 +58,7 @@ class CostModel:
         starts = [t for t, _ in self.speed_trace]
         if starts != sorted(set(starts)) or any(not f > 0 for _, f in self.speed_trace):
             raise ValueError(f"a speed trace needs ascending window starts and factors > 0, got {self.speed_trace}")
+        object.__setattr__(self, "_linear_memo", {})  # linear(T) by T: a simulated device asks it every step
 
     def speed_at(self, seconds: float) -> float:
         """The speed trace's factor ``seconds`` after the start: its last window starting at or
@@ -69,7 +70,11 @@ class CostModel:
     def linear(self, num_rows: int) -> float:
         """Piecewise-linear over the grid; below it, the first point; above it, the last two
         points' slope (products grow linearly once the weights are no longer the bound)."""
-        return max(0.0, sum(w * self.linear_s[i] for i, w in linear_weights(self.tokens, num_rows)))
+        t = self._linear_memo.get(num_rows)
+        if t is None:
+            t = self._linear_memo[num_rows] = max(0.0, sum(w * self.linear_s[i]
+                                                           for i, w in linear_weights(self.tokens, num_rows)))
+        return t
 
     @staticmethod
     def prefill_pairs(num_tokens: int, start: int) -> float:
@@ -89,9 +94,23 @@ class CostModel:
         return max(0.0, t) * (1.0 + self.contention * min(1, busy_neighbours))
 
     def plan_s(self, plan, busy_neighbours: int = 0) -> float:
-        """A ``StepPlan``'s time (its shape: ``plan_shape``)."""
-        chunks, contexts, pad, sampled = plan_shape(plan)
-        return self.step_s(chunks, contexts, pad, busy_neighbours, sampled)
+        """A ``StepPlan``'s time: ``step_s`` of its shape (``plan_shape``), taken in one pass over
+        its rows (a simulated device asks it every step); the same sums in the same order, so the
+        same number to the last digit."""
+        rows, num_sampled, pairs, context = plan.num_pad_tokens, 0, [], 0
+        for s in plan.seqs:
+            n = len(s.token_ids)
+            if n > 1:  # a prompt chunk (or a recompute)
+                rows += n
+                pairs.append(self.prefill_pairs(n, s.start_pos))
+            elif n == 1:  # a decode row
+                rows += 1
+                context += s.start_pos + 1
+            if s.sampling is not None:
+                num_sampled += 1
+        t = (self.linear(rows) - self.logits_row_s * max(0, rows - num_sampled)
+             + self.attn_prefill_s * sum(pairs) + self.attn_decode_s * context)
+        return max(0.0, t) * (1.0 + self.contention * min(1, busy_neighbours))
 
     def prefill_s(self, num_tokens: int, start: int = 0) -> float:
         return self.step_s([(num_tokens, start)])
