@@ -49,6 +49,7 @@ from aserve.engine.policies import Policies
 from aserve.engine.stops import StopChecker
 from aserve.predict.online import OnlinePredictor
 from scheduling.clock import Clock, MonotonicClock
+from scheduling.hybrid import HybridScheduler
 from scheduling.placement import entry_work
 from scheduling.prefix import cached_prefix_tokens
 from scheduling.request import Request, SamplingParams
