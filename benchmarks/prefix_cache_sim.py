@@ -136,7 +136,8 @@ def replay_rows(report: dict) -> dict:
     rows = {}
     for name, s in report["systems"].items():
         rows[name] = {"hit_rate": s["prefix_cache_hit_rate"], "ttft_mean_s": s["ttft"]["mean"],
-                      "ttft_p99_s": s["ttft"]["p99"], "jct_mean_s": s["jct"]["mean"],
+                      "ttft_p50_s": s["ttft"]["p50"], "ttft_p99_s": s["ttft"]["p99"], "jct_mean_s": s["jct"]["mean"],
+                      "queue_p90_s": s["queue_time"] and s["queue_time"]["p90"],
                       "kv_bytes_moved": s["kv_bytes_charged"], "kv_transfers": s["kv_transfers"],
                       "evictions": s["prefix_cache_evictions"], "preemptions": s["preemptions"],
                       "attainment": s["slo_attainment"], "busy_s": s["resource_usage_s"],

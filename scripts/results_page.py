@@ -520,13 +520,22 @@ def render_prefix_cache(d: dict, plot: Callable):
     ttft_cut = {s: ratio(rep["systems"], s, "nocache", "cache", "ttft_mean_s") for s in d["systems"]}
     checks = (("mean TTFT", pres["systems"], "ttft_mean_s", -1), ("attainment", pres["systems"], "attainment", 1),
               ("goodput", pres["goodput"], "goodput_per_device", 1))  # (what, where, key, +1: higher is better)
-    lost = []  # a cached way worse than no cache under pressure, on any check
+    lost: dict = {}  # a cached way -> the checks on which it did worse than no cache in the small pool
     for s in d["systems"]:
         for w in ("cache", "noplace"):
             for what, where, key, better in checks:
                 on, off = g(where, name(s, w), key), g(where, name(s, "nocache"), key)
                 if on is not None and off is not None and (on - off) * better < 0:
-                    lost.append(f"{name(s, w)} ({what} {on:.3g} against {off:.3g})")
+                    lost.setdefault(name(s, w), []).append(f"{what} {on:.3g} against {off:.3g}")
+
+    def queued(n: str) -> str:  # what its prompts waited, against the same system uncached
+        p, q = pres["systems"][n], pres["systems"][n.removesuffix("-noplace") + "-nocache"]
+        return (f"queue time p90 {p['queue_p90_s']:.2f} s against {q['queue_p90_s']:.2f} s, median TTFT "
+                f"{p['ttft_p50_s']:.2f} against {q['ttft_p50_s']:.2f} s")
+    alone_ok = [s for s in d["systems"] if name(s, "noplace") not in lost]
+
+    def way(n: str) -> str:
+        return f"{n.removesuffix('-noplace')} with " + ("least-loaded" if n.endswith("-noplace") else "prefix-aware") + " placement"
     moved = {s: (gb(g(rep["systems"], name(s, "cache"), "kv_bytes_moved")), gb(g(rep["systems"], name(s, "nocache"), "kv_bytes_moved")))
              for s in d["systems"] if g(rep["systems"], name(s, "nocache"), "kv_bytes_moved")}
 
@@ -546,9 +555,12 @@ def render_prefix_cache(d: dict, plot: Callable):
                                       or "none (no system hands KV over)")
                + f"; the coupled systems move none. With each V100's pool cut from {rep['kv_tokens']:,} to "
                f"{pres['kv_tokens']:,} tokens the cache must evict (the evictions column); "
-               + ("caching lost to no caching in: " + "; ".join(lost) + "." if lost else
-                  "caching never lost to no caching there (mean TTFT, attainment"
-                  + (", goodput" if pres["goodput"] else "") + ")."))
+               + ("caching never lost to no caching there" if not lost else
+                  "a cached way lost to no caching: " + "; ".join(f"{way(n)} ({', '.join(v)}; {queued(n)})"
+                                                               for n, v in lost.items())
+                  + (f". Caching with least-loaded placement lost nowhere: {', '.join(alone_ok)}" if alone_ok else ""))
+               + " (checks: mean TTFT and attainment at the replay's rate" + (", goodput" if pres["goodput"] else "")
+               + ").")
     return t, plot(draw), reading
 
 
