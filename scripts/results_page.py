@@ -499,9 +499,103 @@ def render_goodput(d: dict, plot: Callable):
     return t, plot(draw), reading
 
 
+def render_prefix_cache(d: dict, plot: Callable):
+    ways = list(d["ways"])  # cache (with prefix-aware placement), noplace, nocache
+    label = {"cache": "cache + placement", "noplace": "cache, least-loaded", "nocache": "no cache"}
+    pres, rep = d["pressure"], d["replay"]
+
+    def name(s: str, w: str) -> str:
+        return s if w == "cache" else f"{s}-{w}"
+
+    def g(table: dict, n: str, key: str):
+        return (table.get(n) or {}).get(key)
+
+    def gb(x):
+        return None if x is None else x / 1e9
+    rows = []
+    for s in d["systems"]:
+        for i, w in enumerate(ways):
+            n, r, p = name(s, w), rep["systems"].get(name(s, w), {}), pres["systems"].get(name(s, w), {})
+            rows.append([s if i == 0 else "", label[w], g(d["goodput"], n, "goodput_per_device"),
+                         None if r.get("hit_rate") is None else f"{r['hit_rate'] * 100:.1f}%", r.get("ttft_mean_s"),
+                         r.get("ttft_p99_s"), gb(r.get("kv_bytes_moved")), r.get("evictions"), r.get("preemptions"),
+                         g(pres["goodput"], n, "goodput_per_device") if pres["goodput"] else "-",
+                         None if p.get("hit_rate") is None else f"{p['hit_rate'] * 100:.1f}%", p.get("ttft_mean_s"),
+                         p.get("evictions"), p.get("preemptions")])
+    t = table(["system", "way", "goodput req/s a device", "hit rate", "mean TTFT s", "P99 TTFT s", "KV moved GB",
+               "evictions (blocks)", "preemptions", f"{pres['kv_tokens']:,}-token pool: goodput", "hit rate",
+               "mean TTFT s", "evictions", "preemptions"], rows)
+
+    def draw(ax):
+        w = 0.8 / len(ways)
+        for j, way in enumerate(ways):
+            xs = [i + (j - (len(ways) - 1) / 2) * w for i in range(len(d["systems"]))]
+            ax.bar(xs, [g(d["goodput"], name(s, way), "goodput_per_device") or 0 for s in d["systems"]], w,
+                   label=label[way], color=f"C{j}")
+            if pres["goodput"]:
+                ax.scatter(xs, [g(pres["goodput"], name(s, way), "goodput_per_device") or 0 for s in d["systems"]],
+                           marker="_", s=200, color="black", zorder=3,
+                           label=f"{pres['kv_tokens']:,}-token pool" if j == 0 else None)
+        ax.set_xticks(range(len(d["systems"])), d["systems"])
+        ax.set_ylabel(f"goodput, req/s a V100 ({d['corner']})")
+        ax.legend(fontsize=7)
+
+    def ratio(table: dict, s: str, a: str, b: str, key: str = "goodput_per_device"):
+        x, y = g(table, name(s, a), key), g(table, name(s, b), key)
+        return x / y if x is not None and y else None
+    cache_gain = {s: ratio(d["goodput"], s, "cache", "nocache") for s in d["systems"]}
+    place_gain = {s: ratio(d["goodput"], s, "cache", "noplace") for s in d["systems"]}
+    ttft_cut = {s: ratio(rep["systems"], s, "nocache", "cache", "ttft_mean_s") for s in d["systems"]}
+    checks = (("mean TTFT", pres["systems"], "ttft_mean_s", -1), ("attainment", pres["systems"], "attainment", 1),
+              ("goodput", pres["goodput"], "goodput_per_device", 1))  # (what, where, key, +1: higher is better)
+    lost: dict = {}  # a cached way -> the checks on which it did worse than no cache in the small pool
+    for s in d["systems"]:
+        for w in ("cache", "noplace"):
+            for what, where, key, better in checks:
+                on, off = g(where, name(s, w), key), g(where, name(s, "nocache"), key)
+                if on is not None and off is not None and (on - off) * better < 0:
+                    lost.setdefault(name(s, w), []).append(f"{what} {on:.3g} against {off:.3g}")
+
+    def queued(n: str) -> str:  # what its prompts waited, against the same system uncached
+        p, q = pres["systems"][n], pres["systems"][n.removesuffix("-noplace") + "-nocache"]
+        return (f"queue time p90 {p['queue_p90_s']:.2f} s against {q['queue_p90_s']:.2f} s, median TTFT "
+                f"{p['ttft_p50_s']:.2f} against {q['ttft_p50_s']:.2f} s")
+    alone_ok = [s for s in d["systems"] if name(s, "noplace") not in lost]
+
+    def way(n: str) -> str:
+        return f"{n.removesuffix('-noplace')} with " + ("least-loaded" if n.endswith("-noplace") else "prefix-aware") + " placement"
+    moved = {s: (gb(g(rep["systems"], name(s, "cache"), "kv_bytes_moved")), gb(g(rep["systems"], name(s, "nocache"), "kv_bytes_moved")))
+             for s in d["systems"] if g(rep["systems"], name(s, "nocache"), "kv_bytes_moved")}
+
+    def x(v):
+        return "n/a" if v is None else f"{v:.2f}x"
+    wl = d["workload"]
+    reading = (f"{wl['num_requests']} requests of `aserve workload Chat` (multi-turn conversations over four shared "
+               f"system prompts; mean prompt {wl['mean_prompt_tokens']:.0f}, output {wl['mean_output_tokens']:.0f} "
+               f"tokens), each system on four simulated V100s. Goodput per device at the {d['corner']} corner with the "
+               f"cache against without: " + ", ".join(f"{s} {x(v)}" for s, v in cache_gain.items())
+               + "; placing a prompt where its prefix lives against least-loaded placement, both cached: "
+               + ", ".join(f"{s} {x(v)}" for s, v in place_gain.items())
+               + f". At {rep['rate']:g} req/s (below every knee) the cache cuts mean TTFT "
+               + ", ".join(f"{s} {x(v)}" for s, v in ttft_cut.items())
+               + ". KV moved between instances (prefill to decode hand-overs and moves, the links' charge), cache "
+                 "on against off: " + (", ".join(f"{s} {a:.1f} against {b:.1f} GB" for s, (a, b) in moved.items())
+                                      or "none (no system hands KV over)")
+               + f"; the coupled systems move none. With each V100's pool cut from {rep['kv_tokens']:,} to "
+               f"{pres['kv_tokens']:,} tokens the cache must evict (the evictions column); "
+               + ("caching never lost to no caching there" if not lost else
+                  "a cached way lost to no caching: " + "; ".join(f"{way(n)} ({', '.join(v)}; {queued(n)})"
+                                                               for n, v in lost.items())
+                  + (f". Caching with least-loaded placement lost nowhere: {', '.join(alone_ok)}" if alone_ok else ""))
+               + " (checks: mean TTFT and attainment at the replay's rate" + (", goodput" if pres["goodput"] else "")
+               + ").")
+    return t, plot(draw), reading
+
+
 RENDERERS: dict[str, Callable] = {"cuda": render_cuda, "engine_cpu": render_engine_cpu, "peer": render_peer,
                                   "predictor": render_predictor, "simulator": render_simulator, "ray": render_ray,
-                                  "soak": render_soak, "goodput": render_goodput}
+                                  "soak": render_soak, "goodput": render_goodput,
+                                  "prefix_cache": render_prefix_cache}
 
 
 def section(path: Path, plots: Path = PLOTS) -> tuple[int, str]:

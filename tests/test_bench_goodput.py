@@ -124,6 +124,10 @@ def test_a_search_on_the_simulated_v100_writes_its_knee_points_and_plot(tmp_path
             lo, hi = s["knee_bracket"]
             assert lo == s["knee_rate"] and (hi is None or hi > lo)
             assert any(r == lo and a >= 0.9 for r, a in s["points"])
+        assert s["config"]["prefix_caching"] and s["config"]["prefix_aware_placement"]  # the defaults
+        for p in s["points_detail"]:  # each point's cache and hand-overs: only the split moves KV
+            assert p["prefix_cache_hit_rate"] is not None and p["prefix_cache_evictions"] >= 0
+            assert (p["kv_bytes_moved"] > 0) == (name == "tetri")
     assert plot.stat().st_size > 10_000
 
 

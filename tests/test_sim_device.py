@@ -221,3 +221,25 @@ def test_a_replay_on_the_h100_profile_completes(tmp_path):
     (s,) = json.loads(out.read_text())["systems"].values()
     assert s["completed"] == 10 and s["output_tokens"] == sum(r["output_tokens"] for r in trace)
     assert s["ttft"]["mean"] < 0.5  # prompts of 200-1,550 tokens at ~34k tokens/s, two instances
+
+def test_a_replay_counts_prefix_cache_evictions_and_kv_moved(tmp_path):
+    """Eight shared prefixes (four 16-token blocks each), each sent twice with a full block of its
+    own after it (0, 1, 0, 1, 2, 3, 2, 3, ...), one request at a time: with a pool smaller than the
+    48 full blocks the trace leaves cached the cache must evict, with room it evicts nothing and
+    every second send finds its prefix, with the cache off nothing is cached. A coupled system
+    hands no KV over: 0 bytes moved, not 'unknown'."""
+    trace = [{"timestamp": 0.5 * i, "prompt_tokens": 80, "output_tokens": 4, "hash_block": 16,
+              "hash_ids": [10 * (i // 4 * 2 + i % 2) + k for k in range(4)] + [1000 + i]} for i in range(16)]
+    flags = ("--mode", "coupled", "--instances", "1", "--batching", "sarathi", "--predictor", "none")
+    (small,) = replay_sim(tmp_path, trace, *flags, "--kv-cache-gb", "0.015", name="small")["systems"].values()
+    (room,) = replay_sim(tmp_path, trace, *flags, "--kv-cache-gb", "0.25", name="room")["systems"].values()
+    (off,) = replay_sim(tmp_path, trace, *flags, "--kv-cache-gb", "0.015", "--no-enable-prefix-caching",
+                         name="off")["systems"].values()
+    assert small["instances"][0]["free_blocks_start"] < 48 <= room["instances"][0]["free_blocks_start"]
+    assert all(s["completed"] == 16 for s in (small, room, off))
+    assert small["prefix_cache_evictions"] > 0 and room["prefix_cache_evictions"] == 0
+    assert room["prefix_cache_hit_rate"] == pytest.approx(8 * 64 / (16 * 80))
+    assert 0 < small["prefix_cache_hit_rate"] <= room["prefix_cache_hit_rate"]
+    assert off["prefix_cache_evictions"] == 0 and not off["prefix_cache_hit_tokens"]
+    for s in (small, room, off):
+        assert s["kv_bytes_charged"] == 0 and s["kv_bytes_moved"] == 0 and s["kv_transfers"] == 0

@@ -43,6 +43,11 @@ class Point:
     misses: dict
     makespan_s: float
     wall_s: float
+    # the prefix cache and the hand-overs at this rate (None: not measured): prompt tokens found
+    # cached, blocks evicted, KV bytes moved between instances (the links' charge)
+    hit_rate: Optional[float] = None
+    evictions: Optional[int] = None
+    kv_bytes_moved: Optional[int] = None
 
     @property
     def request_goodput(self) -> float:
@@ -194,9 +199,10 @@ def replay_point(spec, trace, prompts, bundle, slo: Slo, rate: float, run_loop, 
     run = run_loop(replay_cluster(SystemSpec(f"{spec.name} @ {rate:.3g} req/s", spec.engine, spec.cluster),
                                   trace, prompts, bundle, progress, True, timeout_s))
     a = attainment(run.records, slo)
-    span = summarize(run)["makespan_s"]
-    return Point(rate, a["slo_attainment"], a["good"], a["num_requests"], a["misses"], span,
-                 time.perf_counter() - wall0)
+    s = summarize(run)
+    return Point(rate, a["slo_attainment"], a["good"], a["num_requests"], a["misses"], s["makespan_s"],
+                 time.perf_counter() - wall0, s["prefix_cache_hit_rate"], s["prefix_cache_evictions"],
+                 s["kv_bytes_charged"])
 
 
 def simulated(spec, device: str):

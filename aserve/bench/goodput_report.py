@@ -37,13 +37,16 @@ def system_json(spec, knee: Knee, devices: int, wall_s: float, estimate_s: Optio
             "limited_by": limited_by(knee), "num_points": len(knee.points),
             "points": [[p.rate, p.attainment] for p in knee.points],
             "points_detail": [{"rate": p.rate, "attainment": p.attainment, "good": p.good, "misses": p.misses,
-                               "makespan_s": p.makespan_s, "wall_s": p.wall_s} for p in knee.points],
+                               "makespan_s": p.makespan_s, "wall_s": p.wall_s, "prefix_cache_hit_rate": p.hit_rate,
+                               "prefix_cache_evictions": p.evictions, "kv_bytes_moved": p.kv_bytes_moved}
+                              for p in knee.points],
             "wall_s": wall_s, "estimated_wall_s": estimate_s,
             "config": {"mode": c.mode, "layout": f"{c.num_prefill}P+{c.num_decode}D" if c.split else f"{c.num_coupled}",
                        "batching": e.batching, "chunk_size": c.chunk_size, "token_budget": e.max_num_batched_tokens,
                        "tbt_slo": e.tbt_slo, "prefill_token_budget": c.prefill_token_budget,
                        "slo_placement": c.slo_placement, "slo_order": c.slo_order,
-                       "predictor": c.predictor, "predictor_options": dict(c.predictor_options)}}
+                       "predictor": c.predictor, "predictor_options": dict(c.predictor_options),
+                       "prefix_caching": e.enable_prefix_caching, "prefix_aware_placement": c.prefix_aware_placement}}
 
 
 def _knee_cell(s: dict) -> str:

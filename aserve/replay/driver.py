@@ -205,6 +205,11 @@ def _counters(cluster) -> dict:
             for iid, i in cluster.instances.items()}
 
 
+def _evictions(cluster) -> dict:
+    """Blocks each instance has evicted from its prefix cache so far (0 with the cache off)."""
+    return {iid: i.blocks.num_evictions for iid, i in cluster.instances.items()}
+
+
 KV_TOTALS = ("bytes", "emulated_bytes", "num_done", "real_copy_s", "emulated_s")
 
 
@@ -250,6 +255,7 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
             step_log.start_system(spec.name, cluster.clock.now)
             cluster.log_steps(step_log)
         c0, kv0, base = _counters(cluster), _kv_totals(cluster), cluster.clock.now()
+        ev0 = _evictions(cluster)
         pred0 = cluster.predictor.snapshot()
         lat0 = pred0["latency"]["count"]
         sampler = _Sampler(cluster, base, {k: v[0] for k, v in c0.items()})
@@ -274,8 +280,9 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
                           for iid, inst in cluster.instances.items())
         flips = max(sampler.flips(), cluster.lifecycle.counts["flips"])
         kv = {k: v - kv0[k] for k, v in _kv_totals(cluster).items()}
+        evicted = sum(n - ev0.get(iid, 0) for iid, n in _evictions(cluster).items())
         return SystemRun(spec.name, tuple(records), instances, int(kv["bytes"]), flips, sampler.max_lag,
-                         wall_s=wall_s,
+                         wall_s=wall_s, cache_evictions=evicted,
                          config={"engine": asdict(spec.engine), "cluster": asdict(spec.cluster)},
                          flip_log=tuple(cluster.lifecycle.flip_log), kv_transfer=kv,
                          placements=({k: v - placed0.get(k, 0) for k, v in cluster.placements.items()}

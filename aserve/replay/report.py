@@ -97,6 +97,7 @@ class SystemRun:
     placements: Optional[dict] = None
     vllm: dict = field(default_factory=dict)  # over HTTP: vllm bench serve's fields (aserve/replay/vllm_names.py)
     devices: Optional[int] = None  # devices the system ran on (None: its instances, where known)
+    cache_evictions: Optional[int] = None  # cached blocks evicted from the prefix cache (None: not known)
 
     @property
     def num_devices(self) -> Optional[int]:
@@ -163,7 +164,7 @@ def summarize(run: SystemRun, slo: Optional[Slo] = None, clipped: int = 0) -> di
            "placements": run.placements,
            "predictor": run.predictor,
            "predictor_accuracy": (run.predictor or {}).get("accuracy"),
-           **_prefix_cache(done),
+           **_prefix_cache(done), "prefix_cache_evictions": run.cache_evictions,
            "makespan_s": span, "output_tokens": tokens, "preemptions": sum(r.num_preemptions for r in done),
            "wall_s": run.wall_s,
            "simulated_s_per_wall_s": (span / run.wall_s if run.wall_s and _simulated(run) else None),
@@ -215,11 +216,12 @@ def _simulated(run: SystemRun) -> bool:
 
 def _kv_summary(kv: Optional[dict]) -> dict:
     """Real and emulated transfer time of the hand-overs, the bytes the link was charged (a
-    simulated device's hand-overs copy nothing but are charged their KV's size), and the real
-    copy's throughput."""
+    simulated device's hand-overs copy nothing but are charged their KV's size: the KV bytes that
+    moved between instances, on any device), and the real copy's throughput. An in-process run
+    that handed nothing over (a coupled system) moved 0 bytes; over HTTP nothing is known."""
     if not kv or not kv.get("num_done"):
-        return {"kv_transfers": (kv or {}).get("num_done"), "kv_bytes_charged": None, "kv_real_s": None,
-                "kv_emulated_s": None, "kv_real_bytes_per_s": None}
+        return {"kv_transfers": (kv or {}).get("num_done"), "kv_bytes_charged": None if kv is None else 0,
+                "kv_real_s": None, "kv_emulated_s": None, "kv_real_bytes_per_s": None}
     real = kv["real_copy_s"]
     return {"kv_transfers": int(kv["num_done"]), "kv_bytes_charged": int(kv.get("emulated_bytes", 0)),
             "kv_real_s": real, "kv_emulated_s": kv["emulated_s"],
@@ -301,6 +303,7 @@ _SCALAR_ROWS = (("throughput req/s", "throughput_rps", "{:.3f}"), ("output token
                 ("instance failures", "instance_failures", "{:d}"),
                 ("recovery s (max)", "recovery_s_max", "{:.3f}"),
                 ("prefix cache hit rate", "prefix_cache_hit_rate", "{:.1%}"),
+                ("prefix cache evictions (blocks)", "prefix_cache_evictions", "{:,d}"),
                 ("preemptions", "preemptions", "{:d}"), ("makespan s", "makespan_s", "{:.2f}"),
                 ("simulated s per wall s", "simulated_s_per_wall_s", "{:.1f}"))
 
