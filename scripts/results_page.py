@@ -482,7 +482,7 @@ def render_goodput(d: dict, plot: Callable):
         for (w, corner), row in cells.items():
             other = max((row[n]["goodput_per_device"] or 0.0) for n in ("sarathi", "tetri"))
             mine = row["adaptive"]["goodput_per_device"] or 0.0
-            ratios.append(f"{w} {corner} {mine / other:.2f}x" if other > 0 else f"{w} {corner}: n/a")
+            ratios.append(f"{w} {corner} " + (f"{mine / other:.2f}x" if other > 0 else "n/a"))
         fits = sorted({(w, v["prompt_mean"], v["output_mean"]) for w, v in d["workloads"].items()})
         reading += (". Adaptive against the better of sarathi and the static split: " + ", ".join(ratios)
                     + ". The traces are shrunk to fit a session (mean prompt / output tokens after the shrink: "

@@ -88,9 +88,14 @@ class CostModel:
         chunks, contexts = list(chunks), list(decode_contexts)
         rows = sum(n for n, _ in chunks) + len(contexts) + num_pad_tokens
         sampled = len(contexts) if num_sampled is None else num_sampled
+        return self._priced(rows, sampled, sum(self.prefill_pairs(n, s) for n, s in chunks), sum(contexts),
+                            busy_neighbours)
+
+    def _priced(self, rows: int, sampled: int, pairs: float, context: int, busy_neighbours: int) -> float:
+        """A step's seconds from its sums: rows through the linear layers (of which ``sampled``
+        produce logits), prompt query-key ``pairs``, decode ``context`` tokens read."""
         t = (self.linear(rows) - self.logits_row_s * max(0, rows - sampled)
-             + self.attn_prefill_s * sum(self.prefill_pairs(n, s) for n, s in chunks)
-             + self.attn_decode_s * sum(contexts))
+             + self.attn_prefill_s * pairs + self.attn_decode_s * context)
         return max(0.0, t) * (1.0 + self.contention * min(1, busy_neighbours))
 
     def plan_s(self, plan, busy_neighbours: int = 0) -> float:
@@ -108,9 +113,7 @@ class CostModel:
                 context += s.start_pos + 1
             if s.sampling is not None:
                 num_sampled += 1
-        t = (self.linear(rows) - self.logits_row_s * max(0, rows - num_sampled)
-             + self.attn_prefill_s * sum(pairs) + self.attn_decode_s * context)
-        return max(0.0, t) * (1.0 + self.contention * min(1, busy_neighbours))
+        return self._priced(rows, num_sampled, sum(pairs), context, busy_neighbours)
 
     def prefill_s(self, num_tokens: int, start: int = 0) -> float:
         return self.step_s([(num_tokens, start)])

@@ -239,7 +239,8 @@ def load_or_measure(cfg, threads: int, quiet: bool = False) -> CostModel:
     key = (cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, cfg.attention, cfg.kernels, threads)
     cost = _KEPT_BUSY.get(key) or cost_model(cfg.cache_dir, cfg.model, cfg.device, cfg.dtype, threads, machine(),
                                              PROFILE_VERSION)
-    if cost is not None and (cost.meta.get("cpu_flags", cpu_flags()) != cpu_flags() or profile_check.mismatches(
+    flags = cpu_flags()
+    if cost is not None and (cost.meta.get("cpu_flags", flags) != flags or profile_check.mismatches(
             cost.meta, profile_check.instance_fields(cfg, threads, cost.meta, same_machine=True))):
         cost = None
     why = "once, for the chunk size and the token budget"
@@ -252,7 +253,7 @@ def load_or_measure(cfg, threads: int, quiet: bool = False) -> CostModel:
         cost = measure_and_save(cfg, threads, quiet=quiet, why=why, on_need=True)
     command = profile_check.measure_command(cfg, threads)
     for line in profile_check.load_warnings(f"this machine's profile at {threads} thread(s)", cost.meta, machine(),
-                                            cpu_flags(), command=command):
+                                            flags, command=command):
         profile_check.warn(line)
     return cost
 

@@ -7,6 +7,7 @@ differs says little of this machine.
 """
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from typing import Optional
@@ -16,7 +17,9 @@ ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni",
              "amx_bf16")
 
 
+@functools.lru_cache(maxsize=1)
 def _cpuinfo() -> str:
+    """/proc/cpuinfo, read once a process (a profile's every load compares the name and flags)."""
     try:
         with open("/proc/cpuinfo") as f:
             return f.read()
