@@ -1,16 +1,22 @@
 """What a soak samples, on the server's loop: the process's RSS and open sockets, each instance's
 free blocks, the requests in flight and the server's connections every ``sample_period_s``; and the
 event loop's lag, from a probe that sleeps ``lag_period_s`` and measures how late it wakes (every
-value is kept for the percentiles; the series keeps each sample period's worst).
+value is kept for the percentiles; the series keeps each sample period's worst). The samples that
+give RSS's two levels (the ``LEVEL_WINDOW_S`` after the warm-up, and those once the soak has
+settled) trim the C heap first, so they compare memory in use, not what the allocator kept from
+the last kill or re-add.
 """
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import os
 import resource
 from pathlib import Path
 from typing import Optional
 
+from aserve.soak.report import LEVEL_WINDOW_S
 from aserve.soak.settings import SoakConfig
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -22,6 +28,21 @@ def rss_bytes() -> int:
         return int(Path("/proc/self/statm").read_text().split()[1]) * _PAGE
     except (OSError, IndexError, ValueError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+_LIBC: Optional[ctypes.CDLL] = None
+
+
+def trim_heap() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``), so RSS reads the
+    memory in use rather than what the allocator keeps; False where there is no such call."""
+    global _LIBC
+    try:
+        _LIBC = _LIBC or ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        _LIBC.malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
 
 
 def open_sockets() -> Optional[int]:
@@ -48,6 +69,7 @@ class Probe:
         self.samples: list[dict] = []
         self.lags: list[float] = []
         self._worst = 0.0  # the worst lag since the last sample
+        self.settled = False  # set once the soak has settled: its samples give RSS's end level
 
     async def lag_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -66,8 +88,11 @@ class Probe:
 
     def take(self) -> dict:
         cl = self.cluster
+        t = cl.clock.now() - self.base
+        level = self.settled or self.cfg.warmup <= t < self.cfg.warmup + LEVEL_WINDOW_S
+        trimmed = level and trim_heap()  # the samples rss_growth compares read live memory
         connections = getattr(getattr(self.server.runner, "server", None), "connections", None)
-        sample = {"t": cl.clock.now() - self.base, "rss_bytes": rss_bytes(), "open_sockets": open_sockets(),
+        sample = {"t": t, "rss_bytes": rss_bytes(), "heap_trimmed": trimmed, "open_sockets": open_sockets(),
                   "server_connections": None if connections is None else len(connections),
                   "requests": len(cl.requests), "loop_lag_s": self._worst,
                   "free_blocks": {iid: i.blocks.num_free for iid, i in cl.instances.items() if i.state != "removed"},

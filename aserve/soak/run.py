@@ -3,7 +3,7 @@ client on its own thread.
 
     start cluster + server ─► client sends for duration_s ─► faults stop; due re-adds happen
       ─► client drains (drain_s, then the server aborts what is left) ─► wait for the cluster to
-      settle ─► leftovers and leaked blocks ─► report
+      settle ─► leftovers and leaked blocks ─► RSS sampled for SETTLED_RSS_S while idle ─► report
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from aserve.soak.report import build_report
 from aserve.soak.settings import SoakConfig
 
 SETTLE_S = 60.0  # once the client is done: how long the cluster gets to hold nothing
+SETTLED_RSS_S = 5.0  # then RSS is sampled this long, idle, for the end level of rss_growth
 
 
 def _abort_all(cluster) -> None:
@@ -79,13 +80,17 @@ async def soak(spec: SystemSpec, cfg: SoakConfig, trace: Trace, prompts: Sequenc
         await faults.settle()
         records = await asyncio.to_thread(client.join)
         end = await settle(cluster)
+        settled_s, probe.settled = cluster.clock.now() - base, True
+        probe.take()
+        await asyncio.sleep(SETTLED_RSS_S)  # probe.run() keeps sampling every sample_period_s
         probe.take()
         counts = {k: v - counts0.get(k, 0) for k, v in cluster.all_counts().items()}
         meta = {"system": spec.name, "duration_s": cfg.duration_s, "warmup_s": cfg.warmup,
                 "mode": spec.cluster.mode, "kernels": bundle.kernels, "throttled_arrivals": client.num_throttled,
                 "cluster_counts": counts, "links_in_flight_end": end["links_in_flight"],
                 "config": {"soak": asdict(cfg), "engine": asdict(spec.engine), "cluster": asdict(spec.cluster)}}
-        return build_report(meta, records, end, probe.samples, probe.lags, faults, _client_cuts(records), cfg.warmup)
+        return build_report(meta, records, end, probe.samples, probe.lags, faults, _client_cuts(records), cfg.warmup,
+                            settled_s=settled_s)
     finally:
         for task in background:
             task.cancel()
