@@ -9,13 +9,12 @@ the last kill or re-add.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import os
 import resource
 from pathlib import Path
 from typing import Optional
 
+from aserve.cluster.lifecycle import release_freed_memory
 from aserve.soak.report import LEVEL_WINDOW_S
 from aserve.soak.settings import SoakConfig
 
@@ -28,21 +27,6 @@ def rss_bytes() -> int:
         return int(Path("/proc/self/statm").read_text().split()[1]) * _PAGE
     except (OSError, IndexError, ValueError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-_LIBC: Optional[ctypes.CDLL] = None
-
-
-def trim_heap() -> bool:
-    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``), so RSS reads the
-    memory in use rather than what the allocator keeps; False where there is no such call."""
-    global _LIBC
-    try:
-        _LIBC = _LIBC or ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        _LIBC.malloc_trim(0)
-        return True
-    except (OSError, AttributeError):
-        return False
 
 
 def open_sockets() -> Optional[int]:
@@ -90,7 +74,7 @@ class Probe:
         cl = self.cluster
         t = cl.clock.now() - self.base
         level = self.settled or self.cfg.warmup <= t < self.cfg.warmup + LEVEL_WINDOW_S
-        trimmed = level and trim_heap()  # the samples rss_growth compares read live memory
+        trimmed = level and release_freed_memory()  # the samples rss_growth compares read live memory
         connections = getattr(getattr(self.server.runner, "server", None), "connections", None)
         sample = {"t": t, "rss_bytes": rss_bytes(), "heap_trimmed": trimmed, "open_sockets": open_sockets(),
                   "server_connections": None if connections is None else len(connections),
