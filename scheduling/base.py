@@ -139,6 +139,11 @@ class Scheduler(ABC):
         """Load for the global scheduler: prompt tokens waiting here."""
         return 0
 
+    def kv_outlook(self, expected_output_tokens: int) -> int:
+        """KV blocks a new prompt would find here while the requests already here decode (a
+        role whose requests do not grow here: the blocks free now)."""
+        return self.blocks.num_free
+
     # ---- the parts a scheduler may play in a hand-over (module doc); none by default ----------
     def as_sender(self) -> Optional[KVSender]:
         return None

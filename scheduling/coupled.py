@@ -108,6 +108,16 @@ class CoupledScheduler(Scheduler):
         """Prompt tokens waiting, plus a little for each running request (it still decodes)."""
         return sum(r.num_uncomputed_tokens for r in self.waiting) + 4 * len(self.running)
 
+    def kv_outlook(self, expected_output_tokens: int) -> int:
+        """Blocks free once every request here has grown to its prompt plus ``expected_output_tokens``
+        out (one already past that: one token more), less those it holds now: the room a new
+        prompt would find while they decode. Negative where they would not all fit."""
+        bs, promised = self.blocks.block_size, 0
+        for r in (*self.running, *self.waiting):
+            total = r.num_prompt_tokens + max(expected_output_tokens, len(r.output_token_ids) + 1)
+            promised += max(0, blocks_needed(total, bs) - len(r.block_ids))
+        return self.blocks.num_free - promised
+
     # ---- one step -----------------------------------------------------------------------
     def _to_plan(self, plan: dict[str, int], preempted: list[str], **extra) -> StepPlan:
         """A policy's decision ``{request_id: num_tokens}`` as the step's ``StepPlan``."""

@@ -22,11 +22,11 @@ from scheduling import registry
 from scheduling.alise import AliseConfig, AliseScheduler
 from scheduling.block_manager import BlockManager
 from scheduling.clock import FakeClock
-from scheduling.coupled import BatchingConfig
+from scheduling.coupled import BatchingConfig, VllmScheduler
 from scheduling.decode import DecodeConfig, DecodeScheduler
 from scheduling.hybrid import HybridConfig, HybridScheduler
 from scheduling.prefill import PrefillConfig, PrefillScheduler
-from scheduling.placement import EntryLoad, Placement, PlacementConfig, entry_work
+from scheduling.placement import EntryLoad, Placement, PlacementConfig, entry_key, entry_work
 from scheduling.prefix import cached_prefix_tokens, prefix_keys, publish_prefix, share_prefix, shareable_blocks
 from scheduling.request import Request, SamplingParams
 from scheduling.step import StepOutput
@@ -408,6 +408,32 @@ def test_cached_prefix_tokens_looks_without_taking():
     assert cached_prefix_tokens(bm, later) == 16 and bm.num_cached == 4 and not later.block_ids
     assert (bm.num_query_tokens, bm.num_hit_tokens) == (0, 0)  # a look is not a query
     assert cached_prefix_tokens(BlockManager(16, BS), later) == 0  # no cache, nothing to find
+
+
+def test_entry_placement_ranks_kv_room_before_a_cached_prefix():
+    # 2,000 tokens of history cached on a full pool lose to an empty instance with room
+    full = entry_key(4, 2_000, cached_tokens=1_900, kv_outlook_blocks=20, expected_output_tokens=200, block_size=16)
+    empty = entry_key(0, 2_000, cached_tokens=0, kv_outlook_blocks=160, expected_output_tokens=200, block_size=16)
+    assert full == (138 - 20, 104) and empty == (0, 2_000) and empty < full
+    # with room on both, the cached prefix wins as before (the least work)
+    roomy = entry_key(4, 2_000, cached_tokens=1_900, kv_outlook_blocks=200, expected_output_tokens=200, block_size=16)
+    assert roomy == (0, 104) < empty
+    # a prefill instance (nothing decodes there) needs room for the prompt only
+    assert entry_key(0, 2_000, 0, 125, 0, 16) == (0, 2_000) and entry_key(0, 2_000, 0, 124, 0, 16)[0] == 1
+
+
+def test_coupled_kv_outlook_counts_what_running_requests_will_grow_to():
+    bm = BlockManager(100, 16, enable_caching=True)
+    sched = VllmScheduler(bm)
+    assert sched.kv_outlook(64) == 100
+    a = req("a", list(range(40)))  # 40 prompt tokens: 3 blocks now
+    sched.add_request(a)
+    assert sched.kv_outlook(64) == 100 - 7  # waiting: its whole 104 tokens (7 blocks) promised
+    a.block_ids = bm.allocate(3)
+    a.output_token_ids = [1] * 70  # already past the expected 64 out: one token more
+    assert sched.kv_outlook(64) == 97 - (7 - 3)  # 40 + 71 = 111 tokens: 7 blocks, 3 of them held
+    sched.finish(a, "stop")
+    assert sched.kv_outlook(64) == 100
 
 
 def test_placement_weighs_a_cached_prefix_against_load():

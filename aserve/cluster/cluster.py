@@ -50,7 +50,7 @@ from aserve.engine.stops import StopChecker
 from aserve.predict.online import OnlinePredictor
 from scheduling.clock import Clock, MonotonicClock
 from scheduling.hybrid import HybridScheduler
-from scheduling.placement import entry_work
+from scheduling.placement import entry_key
 from scheduling.prefix import cached_prefix_tokens
 from scheduling.request import Request, SamplingParams
 from scheduling.step import TokenLogprobs
@@ -67,6 +67,7 @@ class Cluster:
         self.requests: dict[str, RequestHandle] = {}
         self.log = EventLog()
         self.counts = {"finished": 0, "aborted": 0, "failed": 0}
+        self._outputs_seen = (0, 0)  # (requests finished, their output tokens): mean_output_tokens
         self.devices = DeviceFactory(engine, cfg)  # which device each instance gets, and Ray's connection
         self.core_share = CoreShare(cfg.device_share == "dedicated" and engine.device == "cpu", self.devices.cores())
         self.lifecycle = Lifecycle(cfg, self.clock, self.log, self)
@@ -322,8 +323,11 @@ class Cluster:
         if entry and not (req.output_token_ids and entry[0].role == "prefill"):
             # the least work with this prompt there: a cached prefix counts (scheduling/placement.py)
             aware = self.cfg.prefix_aware_placement
-            inst = min(entry, key=lambda i: (entry_work(i.num_queued_tokens, req.num_tokens,
-                                                        cached_prefix_tokens(i.blocks, req) if aware else 0), i.id))
+            out = self.mean_output_tokens
+            inst = min(entry, key=lambda i: (*entry_key(i.num_queued_tokens, req.num_tokens,
+                                                        cached_prefix_tokens(i.blocks, req) if aware else 0,
+                                                        i.kv_outlook(out), out if i.role == "coupled" else 0,
+                                                        i.blocks.block_size), i.id))
             handle.instance_id, handle.phase = inst.id, "prefill"
             if inst.role == "prefill":
                 handle.prefill_instance = inst.id
@@ -453,6 +457,8 @@ class Cluster:
         handle.phase = "done"
         self.predictor.finish(req)
         key = {"abort": "aborted", "error": "failed"}.get(reason, "finished")
+        if key == "finished":
+            self._outputs_seen = (self._outputs_seen[0] + 1, self._outputs_seen[1] + len(req.output_token_ids))
         if error:
             self.log.log("request_failed", handle.instance_id, f"{req.request_id}: {error}")
         self.counts[key] += 1
@@ -463,6 +469,14 @@ class Cluster:
             self._release_siblings(handle)
 
     # ---- views -------------------------------------------------------------------------------
+    @property
+    def mean_output_tokens(self) -> int:
+        """Output tokens of the requests finished so far, on average (0 before the first): the
+        growth placement expects of a request's KV, from what has been served, never from the
+        request's own length."""
+        n, total = self._outputs_seen
+        return total // n if n else 0
+
     def all_counts(self) -> dict:
         """Requests ended by outcome, and the lifecycle's and hand-over's counters."""
         return {**self.counts, **self.lifecycle.counts, **self.handoff.counts}

@@ -297,6 +297,11 @@ class Instance:
         """Load for the global scheduler: prompt tokens waiting on this instance."""
         return self.scheduler.num_queued_tokens
 
+    def kv_outlook(self, expected_output_tokens: int) -> int:
+        """KV blocks a new prompt would find here while this instance's requests decode
+        (``Scheduler.kv_outlook``)."""
+        return self.scheduler.kv_outlook(expected_output_tokens)
+
     @property
     def num_waiting(self) -> int:
         """Requests waiting for a step (decode: for a batch slot; preempted ones included)."""
