@@ -189,3 +189,29 @@ def test_adaptive_places_prompts_and_rebalances_the_tail(bundle):
         assert placed["prefill"] + placed["decode"] == 20
         assert cl.counts["finished"] == 20
     drill(bundle, cfg=cfg, then=then)
+
+
+def test_adaptive_places_held_choices_beside_a_decode_instance_that_prefilled_the_first(bundle):
+    """The n choices of a prompt (one ``prefix_group``) wait for the first to compute the prompt,
+    then go beside it; in adaptive mode that can be a decode instance (its hybrid scheduler takes
+    prompts), a path that once raised NameError (Cluster._place_beside)."""
+    cfg = ClusterConfig(mode="adaptive", num_prefill=1, num_decode=1, chunk_size=256, predictor="none")
+
+    async def main(clock):
+        async with Cluster(ENGINE, cfg, bundle=bundle, clock=clock) as cl:
+            ids = prompts(12, seed=3)
+            handles = [cl.submit(p, SP, request_id=f"r{i}.{k}", prefix_group=f"g{i}")
+                       for i, p in enumerate(ids) for k in range(2)]
+            beside_decode = []
+
+            async def consume(h):
+                async for ev in cl.stream(h):
+                    if ev.finished:
+                        assert ev.finish_reason == "length" and ev.error is None, (h.request.request_id, ev.error)
+                if h.request.request_id.endswith(".1") and h.prefill_instance is None:
+                    beside_decode.append(h.request.request_id)
+            await asyncio.wait_for(asyncio.gather(*map(consume, handles)), 600)  # virtual seconds: a stuck choice fails
+            assert cl.counts["finished"] == 24 and cl.placements["decode"] > 0
+            assert beside_decode, "no second choice ran where its first prefilled on the decode instance"
+            await settled(cl, list(cl.instances))
+    virtual(main)
