@@ -7,6 +7,8 @@
 # system on virtual time; the fair default predictor (accuracy at sklearn's measured 65.7%).
 #
 #   benchmarks/goodput_paper.sh OUT_DIR            # then: python benchmarks/goodput_table.py OUT_DIR
+#   SYSTEMS=vllm,sarathi benchmarks/goodput_paper.sh OUT2   # those systems again; then
+#                                                  # goodput_table.py OUT_DIR --overlay OUT2
 #
 # About 1-3 minutes a workload and corner for the synthetic traces and 10-15 for an Azure one on
 # two shared cores. A run whose OUT_DIR/W_C.json exists is not run again (a cut-off run resumes).
@@ -22,6 +24,10 @@ SYS='vllm: --mode coupled --instances 4 --batching vllm ;
      tetri-2p2d: --mode disagg --prefill 2 --decode 2 ;
      tetri-3p1d: --mode disagg --prefill 3 --decode 1 ;
      adaptive: --mode adaptive --prefill 2 --decode 2'
+if [ -n "${SYSTEMS:-}" ]; then  # a subset, e.g. SYSTEMS=vllm,sarathi (goodput_table.py --overlay merges it)
+  SYS=$(printf '%s\n' "$SYS" | tr ';' '\n' | grep -E "^ *($(echo "$SYSTEMS" | tr ',' '|')):" | paste -sd ';')
+  [ -n "$SYS" ] || { echo "SYSTEMS=$SYSTEMS names none of the systems"; exit 2; }
+fi
 search() {  # W TRACE [fit flags]
   local w=$1 trace=$2; shift 2
   for c in balanced tight-ttft tight-tpot; do

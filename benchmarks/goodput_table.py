@@ -4,6 +4,11 @@
 
     python benchmarks/goodput_table.py OUT_DIR [--json results/goodput_paper.json] [--plots docs/plots]
     python benchmarks/goodput_table.py OUT_DIR --cpu [--json results/goodput_cpu.json] [--plots docs/plots]
+    python benchmarks/goodput_table.py OUT_DIR --overlay OUT2 ...   # OUT2's systems replace OUT_DIR's
+
+``--overlay`` reads a later run of some systems (``SYSTEMS=vllm,sarathi benchmarks/goodput_paper.sh
+OUT2``, after a change that touched only them): each of its systems replaces the same system in
+the same cell, and its commit and date join the result's.
 
 Prints one markdown table (workload x corner rows; vllm, sarathi, tetri at its best static split,
 adaptive: goodput per device, req/s, with the knee's error bar), the Azure code trace's rows beside
@@ -184,6 +189,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="benchmarks/goodput_cpu.sh's runs (two CPU instances)")
     p.add_argument("--json", default=None, help="write the small result file here")
     p.add_argument("--plots", default=None, help="write the attainment curves of Mixed and Azure here")
+    p.add_argument("--overlay", action="append", default=[], help="a later run of some systems "
+                   "(SYSTEMS=... goodput_paper.sh OUT2): its systems replace OUT_DIR's, cell by cell; repeatable")
     p.add_argument("--caveat", action="append", default=[], help="a sentence the results page prints beside "
                    "the table (e.g. a point that ran beside other load); repeatable")
     a = p.parse_args(argv)
@@ -199,6 +206,16 @@ def main(argv=None) -> int:
     if not runs:
         print(f"no runs in {a.out_dir}", file=sys.stderr)
         return 1
+    abouts = {(r["about"]["commit"], r["about"]["date"][:10], r["about"]["machine"]) for r in runs.values()}
+    for extra in a.overlay:
+        for (w, c), run in runs.items():
+            f = Path(extra) / f"{w}_{c}.json"
+            if f.exists():
+                later = json.loads(f.read_text())
+                run["systems"].update(later["systems"])
+                for name, rate in simulated_knees(f.with_suffix(".log")).items():
+                    run["systems"].get(name, {}).setdefault("estimated_knee_rate", rate)
+                abouts.add((later["about"]["commit"], later["about"]["date"][:10], later["about"]["machine"]))
     tuned = {k: row_cells(r) for k, r in runs.items() if k[0] in WORKLOADS}
     held = {k: row_cells(r) for k, r in runs.items() if k[0] in REPORT_ONLY}
     print(markdown(tuned, "workload"))
@@ -209,7 +226,7 @@ def main(argv=None) -> int:
     prefix = "goodput_cpu_" if a.cpu else "goodput_"
     if a.json:
         first = next(iter(runs.values()))
-        abouts = sorted({(r["about"]["commit"], r["about"]["date"][:10], r["about"]["machine"]) for r in runs.values()})
+        abouts = sorted(abouts)
         data = {
             "device": layout.device, "devices_per_system": layout.devices, "target": first["search"]["target"],
             "corners": {c: runs[k]["slo"]["terms"] for k in runs for c in [k[1]]},
@@ -233,7 +250,9 @@ def main(argv=None) -> int:
             "machine": "; ".join(sorted({m for _, _, m in abouts})),
             "commit": ", ".join(sorted({c for c, _, _ in abouts})),
             "date": ", ".join(sorted({d for _, d, _ in abouts})),
-            "command": f"{layout.script} OUT && python benchmarks/goodput_table.py OUT" + (" --cpu" if a.cpu else "")
+            "command": f"{layout.script} OUT" + "".join(f" && SYSTEMS=... {layout.script} OUT{i + 2}" for i in range(len(a.overlay)))
+                       + " && python benchmarks/goodput_table.py OUT" + (" --cpu" if a.cpu else "")
+                       + "".join(f" --overlay OUT{i + 2}" for i in range(len(a.overlay)))
                        + f" --json {a.json}" + (f" --plots {a.plots}" if a.plots else "")
                        + "".join(" --caveat '...'" for _ in a.caveat),
             "wall_time": f"{sum(s['wall_s'] for r in runs.values() for s in r['systems'].values()) / 60:.0f} min "

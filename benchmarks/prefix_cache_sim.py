@@ -3,6 +3,15 @@
 
     python benchmarks/prefix_cache_sim.py run OUT_DIR [--requests 256] [--systems vllm,sarathi,...]
     python benchmarks/prefix_cache_sim.py table OUT_DIR [--json results/prefix_cache_sim.json]
+    python benchmarks/prefix_cache_sim.py run OUT_DIR --cpu ...; ... table OUT_DIR --cpu [--json results/prefix_cache_cpu.json]
+
+``--cpu``: the same steps on this machine's CPU (real time: nothing else may run), two instances of one
+thread and 0.5 GiB of KV each per system (vllm and sarathi as 2 coupled instances, tetri 1P+1D, adaptive
+starting 1P+1D), as the real-CPU goodput rows run: the first ``--cpu-requests`` (32) requests, lengths
+x``--cpu-length-scale`` (0.1), each search's knee to ``--cpu-precision`` (0.25); the pressure step cuts
+each instance's pool to ``--cpu-pressure-gb`` (0.02; replays only: no pressure searches). Without the
+``replay`` step (``--steps goodput,pressure``, to fit an hour) the table gives each way's hit rate, TTFT
+and KV moved at its own knee.
 
 Four simulated V100s a system (``sim:opt-13b-v100-32gb``, OPT-13B): vllm and sarathi as four coupled
 instances, tetri 2P+2D (and 1P+3D), adaptive starting 2P+2D. Each system runs three ways: the cache on
@@ -39,12 +48,19 @@ SYSTEMS = {"vllm": "--mode coupled --instances 4 --batching vllm",
            "tetri-2p2d": "--mode disagg --prefill 2 --decode 2",
            "tetri-1p3d": "--mode disagg --prefill 1 --decode 3",
            "adaptive": "--mode adaptive --prefill 2 --decode 2"}
+CPU_SYSTEMS = {"vllm": "--mode coupled --instances 2 --batching vllm",
+               "sarathi": "--mode coupled --instances 2 --batching sarathi",
+               "tetri": "--mode disagg --prefill 1 --decode 1",
+               "adaptive": "--mode adaptive --prefill 1 --decode 1"}
+CPU_DEVICE = ["--device", "cpu", "--threads", "2"]
+CPU_KV_GB = 0.5
+KV_BYTES_CPU = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M's KV a token in fp32: 30 layers, K and V, 3 heads of 64
 WAYS = {"": "", "-noplace": " --no-prefix-aware-placement", "-nocache": " --no-enable-prefix-caching"}
 CORNER = "balanced"
 
 
-def compare(systems) -> str:
-    return " ; ".join(f"{s}{w}: {SYSTEMS[s]}{flags}" for s in systems for w, flags in WAYS.items())
+def compare(systems, table: dict = SYSTEMS) -> str:
+    return " ; ".join(f"{s}{w}: {table[s]}{flags}" for s in systems for w, flags in WAYS.items())
 
 
 def cli(args: list, log: Path) -> float:
@@ -107,6 +123,8 @@ def run(a: argparse.Namespace) -> int:
 
     step("workload", ["workload", "Chat", "--num-requests", a.requests, "--rate", a.rate, "--seed", a.seed,
                       "--out", trace] + (["--lengths", a.lengths] if a.lengths else []), trace)
+    if a.cpu:
+        return run_cpu(a, out, systems, trace, step)
     if "goodput" in a.steps:
         for s in systems:
             step(f"goodput_{s}", ["bench", "goodput", trace, "--device", DEVICE, "--slo", CORNER, "--compare",
@@ -127,6 +145,27 @@ def run(a: argparse.Namespace) -> int:
             step(f"pressure_goodput_{s}", ["bench", "goodput", trace, "--device", f"sim:{prof}", "--slo", CORNER,
                                            "--compare", compare([s]), "--json", out / f"pgoodput_{s}.json",
                                            "--no-progress"], out / f"pgoodput_{s}.json")
+    return 0
+
+
+def run_cpu(a: argparse.Namespace, out: Path, systems, trace: Path, step) -> int:
+    """``run --cpu``: the searches and replays on this CPU (real time), the trace shrunk to fit."""
+    shrink = ["--num-requests", a.cpu_requests, "--length-scale", a.cpu_length_scale]
+    kv = ["--kv-cache-gb", CPU_KV_GB]
+    if "goodput" in a.steps:
+        for s in systems:
+            step(f"goodput_{s}", ["bench", "goodput", trace, *shrink, "--precision", a.cpu_precision, *CPU_DEVICE, *kv,
+                                  "--slo", CORNER, "--compare", compare([s], CPU_SYSTEMS),
+                                  "--json", out / f"goodput_{s}.json", "--no-progress"], out / f"goodput_{s}.json")
+    rate = a.replay_rate or replay_rate(out, systems, a.replay_share)
+    (out / "params.json").write_text(json.dumps({"replay_rate": rate, "kv_gb": CPU_KV_GB, "pressure_kv_gb": a.cpu_pressure_gb,
+                                                 "num_requests": a.cpu_requests, "length_scale": a.cpu_length_scale,
+                                                 "precision": a.cpu_precision}, indent=1))
+    for key, gb in (("pressure", a.cpu_pressure_gb), ("replay", CPU_KV_GB)):
+        if key in a.steps:
+            step(key, ["replay", trace, *shrink, "--rate", rate, *CPU_DEVICE, "--kv-cache-gb", gb, "--slo", CORNER,
+                       "--compare", compare(systems, CPU_SYSTEMS), "--json", out / f"{key}.json", "--no-progress"],
+                 out / f"{key}.json")
     return 0
 
 
@@ -153,6 +192,8 @@ def goodput_rows(runs: dict) -> dict:
             rows[name] = {"goodput_per_device": s["goodput_per_device"], "knee_rate": s["knee_rate"],
                           "knee_bracket": s["knee_bracket"], "bound": s["bound"], "limited_by": s["limited_by"],
                           "num_points": s["num_points"], "wall_s": round(s["wall_s"], 1), "predictor": s["predictor"],
+                          "ttft_mean_at_knee": knee and knee.get("ttft_mean_s"),
+                          "ttft_p99_at_knee": knee and knee.get("ttft_p99_s"),
                           "hit_rate_at_knee": knee and knee.get("prefix_cache_hit_rate"),
                           "kv_bytes_moved_at_knee": knee and knee.get("kv_bytes_moved"),
                           "evictions_at_knee": knee and knee.get("prefix_cache_evictions")}
@@ -174,7 +215,7 @@ def markdown(systems: list, good: dict, pgood: dict, replay: dict, pressure: dic
             kv = r.get("kv_bytes_moved")
             lines.append(f"| {s} | {w.lstrip('-') or 'cache + placement'} | {fmt(g.get('goodput_per_device'))} | "
                          f"{fmt(r.get('hit_rate'), '{:.1%}')} | {fmt(r.get('ttft_mean_s'))} | {fmt(r.get('ttft_p99_s'))} | "
-                         f"{fmt(None if kv is None else kv / 1e9, '{:.1f}')} | "
+                         f"{fmt(None if kv is None else kv / 1e9, '{:.3f}')} | "
                          f"{fmt(r.get('evictions'), '{:,d}')} | {fmt(r.get('preemptions'), '{:d}')} | "
                          f"{fmt(pgood.get(n, {}).get('goodput_per_device'))} | "
                          f"{fmt(p.get('hit_rate'), '{:.1%}')} | {fmt(p.get('ttft_mean_s'))} | "
@@ -191,17 +232,31 @@ def table(a: argparse.Namespace) -> int:
     runs = {p.stem.removeprefix("goodput_"): json.loads(p.read_text()) for p in sorted(out.glob("goodput_*.json"))}
     pruns = {p.stem.removeprefix("pgoodput_"): json.loads(p.read_text()) for p in sorted(out.glob("pgoodput_*.json"))}
     rep, pres, walls, params = read("replay.json"), read("pressure.json"), read("walls.json") or {}, read("params.json") or {}
-    systems = [s for s in SYSTEMS if s in runs or any(n.startswith(s) for n in (rep or {}).get("systems", {}))]
+    names = CPU_SYSTEMS if a.cpu else SYSTEMS
+    systems = [s for s in names if s in runs or any(n.startswith(s) for n in (rep or {}).get("systems", {}))]
     good, pgood = goodput_rows(runs), goodput_rows(pruns)
     replay, pressure = (replay_rows(rep) if rep else {}), (replay_rows(pres) if pres else {})
+    at_knee = a.cpu and not rep  # --cpu without its replay step: each way's figures at its own knee
+    if at_knee:
+        replay = {n: {"hit_rate": g["hit_rate_at_knee"], "ttft_mean_s": g["ttft_mean_at_knee"],
+                      "ttft_p99_s": g["ttft_p99_at_knee"], "kv_bytes_moved": g["kv_bytes_moved_at_knee"],
+                      "evictions": g["evictions_at_knee"], "preemptions": None} for n, g in good.items()}
     print(markdown(systems, good, pgood, replay, pressure))
     if not a.json:
         return 0
-    trace = next(iter(runs.values()))["trace"] if runs else rep["trace"]
+    trace = next(iter(runs.values()))["trace"] if runs else (rep or pres)["trace"]
     first = next(iter(runs.values()), {})
     abouts = sorted({(r["about"]["commit"], r["about"]["date"][:10], r["about"]["machine"])
                      for r in (*runs.values(), *pruns.values())})
-    data = {"device": DEVICE, "devices_per_system": 4, "corner": CORNER, "systems": systems,
+    if a.cpu:
+        kv_tokens = int(params["kv_gb"] * 2**30 // KV_BYTES_CPU)
+        pressure_tokens = int(params["pressure_kv_gb"] * 2**30 // KV_BYTES_CPU)
+    else:
+        kv_tokens, pressure_tokens = kv_bytes(json.loads(PROFILE.read_text())) // TOKEN_BYTES, params.get("pressure_kv_tokens")
+    data = {"device": "cpu" if a.cpu else DEVICE, "devices_per_system": 2 if a.cpu else 4, "corner": CORNER,
+            "device_words": ("two CPU instances of one thread (SmolLM2-135M, fp32)" if a.cpu
+                             else "four simulated V100s (OPT-13B)"),
+            "device_unit": "an instance" if a.cpu else "a V100", "kv_unit": "MB" if a.cpu else "GB", "systems": systems,
             "ways": {w.lstrip("-") or "cache": flags.strip() or "(the defaults: cache on, prefix-aware placement)"
                      for w, flags in WAYS.items()},
             "workload": {"source": "aserve workload Chat", "num_requests": trace["num_requests"],
@@ -210,11 +265,15 @@ def table(a: argparse.Namespace) -> int:
                          "mean_output_tokens": trace["output_tokens"] / trace["num_requests"]},
             "slo": first.get("slo", {}).get("line"),
             "goodput": good,
-            "replay": {"rate": params.get("replay_rate"), "kv_tokens": kv_bytes(json.loads(PROFILE.read_text())) // TOKEN_BYTES,
-                       "systems": replay},
-            "pressure": {"rate": params.get("replay_rate"), "kv_tokens": params.get("pressure_kv_tokens"),
+            "replay": {"rate": None if at_knee else params.get("replay_rate"), "at_knee": at_knee,
+                       "kv_tokens": kv_tokens, "systems": replay},
+            "pressure": {"rate": params.get("replay_rate"), "kv_tokens": pressure_tokens,
                          "goodput": pgood, "systems": pressure}}
+    if a.cpu:
+        data["workload"].update(shrunk={k: params[k] for k in ("num_requests", "length_scale", "precision")})
     searches = len(runs) + len(pruns)
+    cpu_flags = (f" --cpu --cpu-requests {params.get('num_requests')} --cpu-length-scale {params.get('length_scale')}"
+                 f" --cpu-precision {params.get('precision')} --cpu-pressure-gb {params.get('pressure_kv_gb')}") if a.cpu else ""
     result = {"meta": {
         "order": 35, "kind": "prefix_cache", "title": "Prefix caching at paper scale",
         "question": "On multi-turn conversations (four V100s a system, OPT-13B, simulated), what does each system "
@@ -223,13 +282,20 @@ def table(a: argparse.Namespace) -> int:
         "machine": "; ".join(sorted({m for _, _, m in abouts})) or "n/a",
         "commit": ", ".join(sorted({c for c, _, _ in abouts})) or "n/a",
         "date": ", ".join(sorted({d for _, d, _ in abouts})) or "n/a",
-        "command": f"python benchmarks/prefix_cache_sim.py run OUT --requests {trace['num_requests']} "
-                   f"--systems {','.join(systems)}" + (" --steps goodput,replay,pressure,pressure-goodput" if pruns else "")
-                   + f" && python benchmarks/prefix_cache_sim.py table OUT --json {a.json}",
+        "command": "python benchmarks/prefix_cache_sim.py run OUT"
+                   + ("" if a.cpu else f" --requests {trace['num_requests']}") + f" --systems {','.join(systems)}" + (" --steps goodput,replay,pressure,pressure-goodput" if pruns else "")
+                   + cpu_flags + f" && python benchmarks/prefix_cache_sim.py table OUT{' --cpu' if a.cpu else ''} --json {a.json}",
         "wall_time": f"{sum(walls.values()) / 60:.0f} min ({searches} goodput searches of {len(WAYS)} ways each, "
-                     f"two replays of {len(replay)} systems, virtual time)",
+                     f"two replays of {len(replay)} systems, " + ("real time, nothing else running)" if a.cpu else "virtual time)"),
         "notes": "docs/notes/prefix_cache.md", "source": "Paper scale: goodput, KV moved and eviction (sim)"},
         "data": data}
+    if a.cpu:
+        result["meta"].update(
+            order=36, title="Prefix caching on this CPU",
+            question="On multi-turn conversations on this machine's CPU (two instances a system), what does each "
+                     "system gain from the prefix cache and from prefix-aware placement, and does a cache that must "
+                     "evict ever lose to none?",
+            source="The real CPU: goodput, KV moved and eviction")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nwrote {a.json}")
@@ -257,13 +323,24 @@ def main(argv=None) -> int:
     r.add_argument("--pressure-kv-tokens", type=int, default=2560,
                    help="KV tokens a V100 holds under pressure (default 2,560: half the profile's 5,065)")
     r.set_defaults(func=run)
+    r.add_argument("--cpu", action="store_true", help="on this machine's CPU, real time (module doc)")
+    r.add_argument("--cpu-requests", type=int, default=32, help="--cpu: the first N requests (default 32)")
+    r.add_argument("--cpu-length-scale", type=float, default=0.1, help="--cpu: lengths x this (default 0.1)")
+    r.add_argument("--cpu-precision", type=float, default=0.25, help="--cpu: each knee's relative step (default 0.25)")
+    r.add_argument("--cpu-pressure-gb", type=float, default=0.02,
+                   help="--cpu: KV GiB an instance under pressure (default 0.02: about 470 tokens of SmolLM2, "
+                        "two or three of the shrunk conversations' requests)")
     t = sub.add_parser("table", help="print the tables; --json: write the result file")
     t.add_argument("out_dir")
+    t.add_argument("--cpu", action="store_true", help="the runs of run --cpu")
     t.add_argument("--json", default=None)
     t.set_defaults(func=table)
     a = p.parse_args(argv)
-    if a.cmd == "run" and not set(a.systems.split(",")) <= set(SYSTEMS):
-        p.error(f"--systems: each of {', '.join(SYSTEMS)}")
+    names = CPU_SYSTEMS if a.cpu else SYSTEMS
+    if a.cmd == "run" and a.cpu and a.systems == r.get_default("systems"):
+        a.systems = ",".join(CPU_SYSTEMS)
+    if a.cmd == "run" and not set(a.systems.split(",")) <= set(names):
+        p.error(f"--systems: each of {', '.join(names)}")
     return a.func(a)
 
 

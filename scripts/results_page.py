@@ -510,8 +510,10 @@ def render_prefix_cache(d: dict, plot: Callable):
     def g(table: dict, n: str, key: str):
         return (table.get(n) or {}).get(key)
 
+    unit = d.get("kv_unit", "GB")  # the CPU's SmolLM2 moves MB
+
     def gb(x):
-        return None if x is None else x / 1e9
+        return None if x is None else x / {"GB": 1e9, "MB": 1e6}[unit]
     rows = []
     for s in d["systems"]:
         for i, w in enumerate(ways):
@@ -522,7 +524,7 @@ def render_prefix_cache(d: dict, plot: Callable):
                          g(pres["goodput"], n, "goodput_per_device") if pres["goodput"] else "-",
                          None if p.get("hit_rate") is None else f"{p['hit_rate'] * 100:.1f}%", p.get("ttft_mean_s"),
                          p.get("evictions"), p.get("preemptions")])
-    t = table(["system", "way", "goodput req/s a device", "hit rate", "mean TTFT s", "P99 TTFT s", "KV moved GB",
+    t = table(["system", "way", "goodput req/s a device", "hit rate", "mean TTFT s", "P99 TTFT s", f"KV moved {unit}",
                "evictions (blocks)", "preemptions", f"{pres['kv_tokens']:,}-token pool: goodput", "hit rate",
                "mean TTFT s", "evictions", "preemptions"], rows)
 
@@ -537,7 +539,7 @@ def render_prefix_cache(d: dict, plot: Callable):
                            marker="_", s=200, color="black", zorder=3,
                            label=f"{pres['kv_tokens']:,}-token pool" if j == 0 else None)
         ax.set_xticks(range(len(d["systems"])), d["systems"])
-        ax.set_ylabel(f"goodput, req/s a V100 ({d['corner']})")
+        ax.set_ylabel(f"goodput, req/s {d.get('device_unit', 'a V100')} ({d['corner']})")
         ax.legend(fontsize=7)
 
     def ratio(table: dict, s: str, a: str, b: str, key: str = "goodput_per_device"):
@@ -570,18 +572,23 @@ def render_prefix_cache(d: dict, plot: Callable):
     def x(v):
         return "n/a" if v is None else f"{v:.2f}x"
     wl = d["workload"]
+    device = d.get("device_unit", "a V100").split(" ", 1)[1]
+    sh = wl.get("shrunk")
+    shrunk = (f"; the first {sh['num_requests']}, lengths x{sh['length_scale']:g}, knees to {sh['precision']:.0%}"
+              if sh else "")
     reading = (f"{wl['num_requests']} requests of `aserve workload Chat` (multi-turn conversations over four shared "
                f"system prompts; mean prompt {wl['mean_prompt_tokens']:.0f}, output {wl['mean_output_tokens']:.0f} "
-               f"tokens), each system on four simulated V100s. Goodput per device at the {d['corner']} corner with the "
+               f"tokens{shrunk}), each system on {d.get('device_words', 'four simulated V100s')}. Goodput per device at the {d['corner']} corner with the "
                f"cache against without: " + ", ".join(f"{s} {x(v)}" for s, v in cache_gain.items())
                + "; placing a prompt where its prefix lives against least-loaded placement, both cached: "
                + ", ".join(f"{s} {x(v)}" for s, v in place_gain.items())
-               + f". At {rep['rate']:g} req/s (below every knee) the cache cuts mean TTFT "
+               + (". At each way's own knee (a higher knee is more load) the cache cuts mean TTFT " if rep.get("at_knee")
+                  else f". At {rep['rate']:g} req/s (below every knee) the cache cuts mean TTFT ")
                + ", ".join(f"{s} {x(v)}" for s, v in ttft_cut.items())
                + ". KV moved between instances (prefill to decode hand-overs and moves, the links' charge), cache "
-                 "on against off: " + (", ".join(f"{s} {a:.1f} against {b:.1f} GB" for s, (a, b) in moved.items())
+                 "on against off: " + (", ".join(f"{s} {a:.1f} against {b:.1f} {unit}" for s, (a, b) in moved.items())
                                       or "none (no system hands KV over)")
-               + f"; the coupled systems move none. With each V100's pool cut from {rep['kv_tokens']:,} to "
+               + f"; the coupled systems move none. With each {device}'s pool cut from {rep['kv_tokens']:,} to "
                f"{pres['kv_tokens']:,} tokens the cache must evict (the evictions column); "
                + ("caching never lost to no caching there" if not lost else
                   "a cached way lost to no caching: " + "; ".join(f"{way(n)} ({', '.join(v)}; {queued(n)})"

@@ -48,6 +48,8 @@ class Point:
     hit_rate: Optional[float] = None
     evictions: Optional[int] = None
     kv_bytes_moved: Optional[int] = None
+    ttft_mean_s: Optional[float] = None  # over the requests that got a first token
+    ttft_p99_s: Optional[float] = None
 
     @property
     def request_goodput(self) -> float:
@@ -202,7 +204,7 @@ def replay_point(spec, trace, prompts, bundle, slo: Slo, rate: float, run_loop, 
     s = summarize(run)
     return Point(rate, a["slo_attainment"], a["good"], a["num_requests"], a["misses"], s["makespan_s"],
                  time.perf_counter() - wall0, s["prefix_cache_hit_rate"], s["prefix_cache_evictions"],
-                 s["kv_bytes_charged"])
+                 s["kv_bytes_charged"], (s["ttft"] or {}).get("mean"), (s["ttft"] or {}).get("p99"))
 
 
 def simulated(spec, device: str):

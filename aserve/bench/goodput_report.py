@@ -38,7 +38,8 @@ def system_json(spec, knee: Knee, devices: int, wall_s: float, estimate_s: Optio
             "points": [[p.rate, p.attainment] for p in knee.points],
             "points_detail": [{"rate": p.rate, "attainment": p.attainment, "good": p.good, "misses": p.misses,
                                "makespan_s": p.makespan_s, "wall_s": p.wall_s, "prefix_cache_hit_rate": p.hit_rate,
-                               "prefix_cache_evictions": p.evictions, "kv_bytes_moved": p.kv_bytes_moved}
+                               "prefix_cache_evictions": p.evictions, "kv_bytes_moved": p.kv_bytes_moved,
+                               "ttft_mean_s": p.ttft_mean_s, "ttft_p99_s": p.ttft_p99_s}
                               for p in knee.points],
             "wall_s": wall_s, "estimated_wall_s": estimate_s,
             "config": {"mode": c.mode, "layout": f"{c.num_prefill}P+{c.num_decode}D" if c.split else f"{c.num_coupled}",
