@@ -7,11 +7,13 @@
 ``run`` starts from our setting (the commands of docs/notes/simulator.md, "Figure 16 at paper
 scale" and "Figure 18 at paper scale": OPT-13B on simulated V100-32GBs, 1P+1D against vLLM on one
 GPU; the decode policies on 1P+1D) and switches on one of the paper's conditions at a time, then
-all together:
+several together ('all': a + b + c + f; 'all-r1', 'all-r': the same at our rate; 'all-40g':
+with 40 GiB; 'all-40g-4': with 40 GiB at 4 req/s):
 
     a  the baseline's scheduler as vLLM was then (v0.2: no prefix caching, a 2,048-token budget,
        256 sequences, 16-token blocks, recompute); Figure 18's decode instance the same
-    b  arrivals: Poisson (as ours) at a rate below saturation (the paper does not state its rate)
+    b  arrivals: Poisson (as ours) at other rates, since the paper does not state its own: Figure
+       16 at 0.25 (below saturation), 2 and 4 req/s; Figure 18 at 0.1 and 0.5 req/s
     c  lengths: ShareGPT requests that fit OPT-13B's 2,048-token context whole (the paper's model
        cannot serve more; ours clip 77-79 of 128 heavy prompts and 117 of Figure 18's 256)
     d  prediction accuracy: the paper's 74.9% is already ours; shown: the oracle, and what serve
@@ -58,9 +60,9 @@ ORACLE = ["--predictor", "accuracy", "--predictor-option", "accuracy=1.0"]
 VLLM_V0 = "--no-enable-prefix-caching --max-num-batched-tokens 2048 --max-num-seqs 256 --block-size 16 --preemption recompute"
 
 # The paper's figures (§5.1 Figure 16: TS-RoCE against vLLM; §5.3 Figure 18: against greedy), as the notes quote them
-PAPER16 = {"LPLD": {"ttft": -0.44, "jct": -0.40}, "LPHD": {"ttft": -0.97, "jct": -0.47},
-           "HPLD": {"ttft": -0.09, "jct": -0.23}, "HPHD": {"ttft": None, "jct": -0.19},
-           "Mixed": {"ttft": -0.85, "jct": -0.50}}
+PAPER16 = {"LPLD": {"ttft": -0.44, "jct": -0.40, "perf": 1.4}, "LPHD": {"ttft": -0.97, "jct": -0.47, "perf": 2.4},
+           "HPLD": {"ttft": -0.09, "jct": -0.23, "perf": 0.86}, "HPHD": {"ttft": None, "jct": -0.19, "perf": 1.1},
+           "Mixed": {"ttft": -0.85, "jct": -0.50, "perf": 1.9}}  # HPLD's perf/$ is read off the figure (≈)
 PAPER18 = {"74.9%": {"reserve-static": None, "reserve-dynamic": 0.0},
            "100%": {"reserve-static": -0.10, "reserve-dynamic": -0.12}}
 
@@ -69,6 +71,8 @@ CONDITIONS16 = {
     "ours": ("our setting: the committed traces (Poisson, 1 req/s), predictor at 74.9%, RoCE", "both"),
     "a": ("vLLM as then (v0.2): no prefix caching, 2,048-token budget, 256 seqs, 16-token blocks, recompute", "vllm"),
     "b": (f"arrivals at {FIG16_RATE:g} req/s (Poisson as ours; the paper's rate is not stated)", "both"),
+    "b-2": ("arrivals at 2 req/s", "both"),
+    "b-4": ("arrivals at 4 req/s", "both"),
     "c": ("lengths that fit OPT-13B's context whole (no clipped request)", "both"),
     "d-oracle": ("predictor: the oracle (true bucket)", "ts"),
     "d-serve": ("predictor: what serve runs (sklearn's measured 65.7%)", "ts"),
@@ -78,11 +82,13 @@ CONDITIONS16 = {
     "all": ("a + b + c + f (d and e as ours: 74.9%, RoCE)", "both"),
     "all-r1": ("a + c + f at our 1 req/s (all but b)", "both"),
     "all-40g": ("a + c + f at 40 GiB, at our 1 req/s", "both"),
+    "all-40g-4": ("a + c + f at 40 GiB, at 4 req/s", "both"),
 }
 CONDITIONS18 = {
     "ours": (f"our setting: ShareGPT lengths clipped to 2,048, Poisson at {FIG18_RATE:g} req/s, predictor at 74.9%, RoCE", "all"),
     "a": ("decode instance as vLLM then: no prefix caching, 256 seqs, 16-token blocks, recompute", "all"),
     "b": (f"arrivals at {FIG18_LOW_RATE:g} req/s (below saturation; the paper's rate is not stated)", "all"),
+    "b-0.5": ("arrivals at 0.5 req/s", "all"),
     "c": ("lengths that fit OPT-13B's context whole (no clipped request)", "all"),
     "d-oracle": ("predictor: the oracle (the paper's 100% column)", "all"),
     "d-serve": ("predictor: what serve runs (sklearn's measured 65.7%)", "all"),
@@ -129,13 +135,16 @@ def big_kv_profile(out: Path, memory_bytes: int) -> Path:
     return path
 
 
+def not_a_v100(cond: str) -> bool:
+    """Does the condition run on a V100 with more memory than any V100 has (f and every 'all')?"""
+    return "40g" in cond or cond == "f" or cond.startswith("all")
+
+
 def device_for(out: Path, cond: str) -> str:
     """The simulated device of a condition: the V100-32GB, or (f and every 'all') a V100 with more memory."""
-    if "40g" in cond:
-        return f"sim:{big_kv_profile(out, KV_CARDS['f-40g'])}"
-    if cond == "f" or cond.startswith("all"):
-        return f"sim:{big_kv_profile(out, KV_CARDS['f'])}"
-    return DEVICE
+    if not not_a_v100(cond):
+        return DEVICE
+    return f"sim:{big_kv_profile(out, KV_CARDS['f-40g' if '40g' in cond else 'f'])}"
 
 
 def fig16_steps(out: Path) -> list[tuple[str, str, list[str]]]:
@@ -147,11 +156,13 @@ def fig16_steps(out: Path) -> list[tuple[str, str, list[str]]]:
         for w in WORKLOADS:
             trace = str(ROOT / "traces" / f"{w}.jsonl")
             extra, predictor, t, v = [], ACC, ts, vllm
-            if cond in ("a", "all", "all-r1", "all-40g"):
+            if cond == "a" or cond.startswith("all"):
                 v = f"{vllm} {VLLM_V0}"
             if cond in ("b", "all"):
                 extra += ["--rate", str(FIG16_RATE)]
-            if cond in ("c", "all", "all-r1", "all-40g"):
+            if cond.startswith("b-") or cond == "all-40g-4":
+                extra += ["--rate", cond.rsplit("-", 1)[1]]
+            if cond == "c" or cond.startswith("all"):
                 trace = str(out / "traces" / f"{w}.jsonl")
             if cond == "d-oracle":
                 predictor = ORACLE
@@ -174,6 +185,8 @@ def fig18_steps(out: Path) -> list[tuple[str, str, list[str]]]:
             flags = " --no-enable-prefix-caching --max-num-seqs 256 --block-size 16 --preemption recompute"
         if cond in ("b", "all", "all-oracle"):
             rate = FIG18_LOW_RATE
+        if cond.startswith("b-"):
+            rate = float(cond.removeprefix("b-"))
         if cond in ("c",) or cond.startswith("all"):
             trace = str(fit_lengths(out))
         if cond == "d-oracle" or cond.endswith("-oracle"):
@@ -214,6 +227,11 @@ def run(a: argparse.Namespace) -> int:
         steps += [("fig16", c, w, argv) for c, w, argv in fig16_steps(out)]
     if a.only in (None, "fig18"):
         steps += [("fig18", c, w, argv) for c, w, argv in fig18_steps(out)]
+    commits = out / "commits.txt"  # every commit a step of this OUT ran at (a resumed run may add one)
+    head = _commit()
+    if head and head not in (commits.read_text().split() if commits.exists() else []):
+        with open(commits, "a") as f:
+            f.write(head + "\n")
     t_all = time.monotonic()
     for i, (fig, cond, w, argv) in enumerate(steps, 1):
         path = out / fig / cond / f"{w}.json"
@@ -283,7 +301,7 @@ def fig16_data(out: Path) -> dict:
                         "vllm_makespan_s": vl["makespan_s"], "ts_preemptions": ts.get("preemptions", 0),
                         "vllm_preemptions": vl.get("preemptions", 0),
                         "clipped": ((mine or ours) or {}).get("trace", {}).get("num_clipped", 0)}
-        rows[cond] = {"what": what, "cells": cells}
+        rows[cond] = {"what": what, "cells": cells, "not_a_v100": not_a_v100(cond)}
     return rows
 
 
@@ -301,18 +319,19 @@ def fig18_data(out: Path) -> dict:
             for p in POLICIES[1:]:
                 cell[p]["vs_greedy"] = _gain(cell["greedy"]["jct_s"], cell[p]["jct_s"])
             cell["clipped"] = rep.get("trace", {}).get("num_clipped", 0)
-        rows[cond] = {"what": what, "cell": cell}
+        rows[cond] = {"what": what, "cell": cell, "not_a_v100": not_a_v100(cond)}
     return rows
 
 
 def _p(x) -> str:
-    return "n/g" if x is None else f"{x * 100:+.0f}%"
+    return "n/g" if x is None else "0%" if abs(x) < 0.005 else f"{x * 100:+.0f}%"
 
 
 def fig16_table(d: dict) -> str:
     head = "| condition | " + " | ".join(f"{w}: TTFT / JCT / perf/$" for w in WORKLOADS) + " |"
     lines = [head, "|---|" + "---|" * len(WORKLOADS)]
-    lines.append("| **paper** | " + " | ".join(f"{_p(PAPER16[w]['ttft'])} / {_p(PAPER16[w]['jct'])}" for w in WORKLOADS) + " |")
+    lines.append("| **paper** | " + " | ".join(f"{_p(PAPER16[w]['ttft'])} / {_p(PAPER16[w]['jct'])} / {PAPER16[w]['perf']:.2f}x"
+                                             for w in WORKLOADS) + " |")
     for cond, row in d.items():
         cells = [("missing" if c is None else f"{_p(c['ttft'])} / **{_p(c['jct'])}** / {c['perf']:.2f}x")
                  for c in (row["cells"][w] for w in WORKLOADS)]
@@ -358,7 +377,7 @@ def table(a: argparse.Namespace) -> int:
         print(f"\nmissing ({len(data['missing'])}): {', '.join(data['missing'])}")
     if a.json:
         prev = json.loads(Path(a.json).read_text()) if Path(a.json).exists() else {}
-        meta = {**_meta(), **{k: v for k, v in prev.get("meta", {}).items() if k in ("question", "title", "order", "kind")}}
+        meta = {**_meta(out), **{k: v for k, v in prev.get("meta", {}).items() if k in ("question", "title", "order", "kind")}}
         if a.keep_meta and prev.get("meta"):
             meta = prev["meta"]
         else:
@@ -369,9 +388,14 @@ def table(a: argparse.Namespace) -> int:
     return 0
 
 
-def _meta() -> dict:
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+def _commit() -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+
+
+def _meta(out: Path) -> dict:
+    commits = out / "commits.txt"
+    commit = ", ".join(commits.read_text().split()) if commits.exists() else _commit()
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), platform.machine()) if Path("/proc/cpuinfo").exists() else platform.machine()
     return {"order": 55, "kind": "ablation", "title": "Figures 16 and 18 at paper scale, explained by ablation (simulated)",
@@ -381,7 +405,7 @@ def _meta() -> dict:
             "commit": commit, "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "command": "benchmarks/fig_ablation.py run OUT && benchmarks/fig_ablation.py table OUT --json results/fig_ablation.json",
             "wall_time": "", "notes": "docs/notes/simulator.md",
-            "source": "Figures 16 and 18 explained by ablation (issue 58)"}
+            "source": "Figures 16 and 18 at paper scale explained by ablation (issue 58), 2026-11-29"}
 
 
 def main(argv=None) -> int:
