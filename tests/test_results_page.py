@@ -63,3 +63,19 @@ def test_the_prefix_cache_reading_names_where_a_cache_lost(tmp_path):
     (tmp_path / "prefix_cache_sim.json").write_text(json.dumps(doc))
     after = results_page.section(tmp_path / "prefix_cache_sim.json", tmp_path)[1]
     assert "caching never lost to no caching there" in after and "lost to no caching:" not in after
+
+
+def test_the_ablation_reading_says_plainly_which_conditions_reach_the_paper(tmp_path):
+    """Figure 16's JCT gains: LPLD's by a rate on a V100 as it is, HPHD's and Mixed's only on a V100 with
+    more memory than any V100 has; a V100 condition made to reach Mixed, the page moves Mixed over."""
+    path = ROOT / "results" / "fig_ablation.json"
+    before = results_page.section(path, tmp_path)[1]
+    assert "on a V100 as it is, b-4 reaches the paper's JCT gain on LPLD;" in before
+    assert "HPHD and Mixed only on a V100 with more memory than any V100 has (f-40g" in before
+    assert "none reaches it on LPHD and HPLD." in before
+    doc = json.loads(path.read_text())
+    doc["data"]["fig16"]["c"]["cells"]["Mixed"]["jct"] = -0.49  # the paper's -50%
+    (tmp_path / "fig_ablation.json").write_text(json.dumps(doc))
+    after = results_page.section(tmp_path / "fig_ablation.json", tmp_path)[1]
+    assert "c reaches the paper's JCT gain on Mixed" in after and "**c** reaches the paper's (within 5 points) on Mixed" in after
+    assert "; HPHD only on a V100 with more memory" in after
