@@ -139,10 +139,10 @@ class Scheduler(ABC):
         """Load for the global scheduler: prompt tokens waiting here."""
         return 0
 
-    def kv_outlook(self, expected_output_tokens: int) -> int:
+    def kv_outlook(self, expected_output_tokens: int, floor: Optional[int] = None) -> int:
         """KV blocks a new prompt would find here while the requests already here decode (a
-        role whose requests do not grow here: the blocks free now)."""
-        return self.blocks.num_free
+        role whose requests do not grow here: the blocks free now), at least ``floor``."""
+        return self.blocks.num_free if floor is None else max(self.blocks.num_free, floor)
 
     # ---- the parts a scheduler may play in a hand-over (module doc); none by default ----------
     def as_sender(self) -> Optional[KVSender]:

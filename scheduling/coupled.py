@@ -108,15 +108,20 @@ class CoupledScheduler(Scheduler):
         """Prompt tokens waiting, plus a little for each running request (it still decodes)."""
         return sum(r.num_uncomputed_tokens for r in self.waiting) + 4 * len(self.running)
 
-    def kv_outlook(self, expected_output_tokens: int) -> int:
+    def kv_outlook(self, expected_output_tokens: int, floor: Optional[int] = None) -> int:
         """Blocks free once every request here has grown to its prompt plus ``expected_output_tokens``
         out (one already past that: one token more), less those it holds now: the room a new
-        prompt would find while they decode. Negative where they would not all fit."""
-        bs, promised = self.blocks.block_size, 0
-        for r in (*self.running, *self.waiting):
-            total = r.num_prompt_tokens + max(expected_output_tokens, len(r.output_token_ids) + 1)
-            promised += max(0, blocks_needed(total, bs) - len(r.block_ids))
-        return self.blocks.num_free - promised
+        prompt would find while they decode. Negative where they would not all fit; with ``floor``,
+        ``max(that, floor)``, and the walk of the waiting queue stops once below it (an overloaded
+        instance's thousands of waiting requests are not summed on every placement)."""
+        bs, left = self.blocks.block_size, self.blocks.num_free
+        for queue in (self.running, self.waiting):
+            for r in queue:
+                if floor is not None and left < floor:
+                    return floor
+                total = len(r.prompt_token_ids) + max(expected_output_tokens, len(r.output_token_ids) + 1)
+                left -= max(0, -(-total // bs) - len(r.block_ids))
+        return left if floor is None else max(left, floor)
 
     # ---- one step -----------------------------------------------------------------------
     def _to_plan(self, plan: dict[str, int], preempted: list[str], **extra) -> StepPlan:

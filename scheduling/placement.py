@@ -145,7 +145,9 @@ def entry_key(queued_tokens: int, num_prompt_tokens: int, cached_tokens: int, kv
     compute but waits for blocks: on four V100s cut to 2,560 tokens of KV each (multi-turn chat,
     two or three requests a pool) placing by work alone sent turns to the instance holding their
     history beside two running requests (queue p90 3.3 s against 0.04 s least-loaded) and
-    caching lost to no cache; ranked by room first, 0.035 s, and caching wins."""
+    caching lost to no cache; ranked by room first, 0.035 s, and caching wins. The cluster passes
+    an outlook floored at minus a whole pool (``kv_outlook(..., floor)``): past that, instances
+    count as equally full and the least work decides."""
     need = -(-(num_prompt_tokens + expected_output_tokens) // block_size)  # a cached prefix's blocks count as free
     return max(0, need - kv_outlook_blocks), entry_work(queued_tokens, num_prompt_tokens, cached_tokens)
 

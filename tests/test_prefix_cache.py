@@ -432,6 +432,7 @@ def test_coupled_kv_outlook_counts_what_running_requests_will_grow_to():
     a.block_ids = bm.allocate(3)
     a.output_token_ids = [1] * 70  # already past the expected 64 out: one token more
     assert sched.kv_outlook(64) == 97 - (7 - 3)  # 40 + 71 = 111 tokens: 7 blocks, 3 of them held
+    assert sched.kv_outlook(64, floor=95) == 95 and sched.kv_outlook(64, floor=90) == 93  # max(outlook, floor)
     sched.finish(a, "stop")
     assert sched.kv_outlook(64) == 100
 

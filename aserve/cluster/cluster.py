@@ -326,7 +326,8 @@ class Cluster:
             out = self.mean_output_tokens
             inst = min(entry, key=lambda i: (*entry_key(i.num_queued_tokens, req.num_tokens,
                                                         cached_prefix_tokens(i.blocks, req) if aware else 0,
-                                                        i.kv_outlook(out), out if i.role == "coupled" else 0,
+                                                        i.kv_outlook(out, -i.blocks.num_blocks),
+                                                        out if i.role == "coupled" else 0,
                                                         i.blocks.block_size), i.id))
             handle.instance_id, handle.phase = inst.id, "prefill"
             if inst.role == "prefill":

@@ -297,10 +297,10 @@ class Instance:
         """Load for the global scheduler: prompt tokens waiting on this instance."""
         return self.scheduler.num_queued_tokens
 
-    def kv_outlook(self, expected_output_tokens: int) -> int:
-        """KV blocks a new prompt would find here while this instance's requests decode
-        (``Scheduler.kv_outlook``)."""
-        return self.scheduler.kv_outlook(expected_output_tokens)
+    def kv_outlook(self, expected_output_tokens: int, floor: Optional[int] = None) -> int:
+        """KV blocks a new prompt would find here while this instance's requests decode, at least
+        ``floor`` (``Scheduler.kv_outlook``)."""
+        return self.scheduler.kv_outlook(expected_output_tokens, floor)
 
     @property
     def num_waiting(self) -> int:
