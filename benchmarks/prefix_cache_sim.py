@@ -269,6 +269,8 @@ def table(a: argparse.Namespace) -> int:
                        "kv_tokens": kv_tokens, "systems": replay},
             "pressure": {"rate": params.get("replay_rate"), "kv_tokens": pressure_tokens,
                          "goodput": pgood, "systems": pressure}}
+    if a.caveat:
+        data["caveats"] = a.caveat
     if a.cpu:
         data["workload"].update(shrunk={k: params[k] for k in ("num_requests", "length_scale", "precision")})
     searches = len(runs) + len(pruns)
@@ -284,7 +286,8 @@ def table(a: argparse.Namespace) -> int:
         "date": ", ".join(sorted({d for _, d, _ in abouts})) or "n/a",
         "command": "python benchmarks/prefix_cache_sim.py run OUT"
                    + ("" if a.cpu else f" --requests {trace['num_requests']}") + f" --systems {','.join(systems)}" + (" --steps goodput,replay,pressure,pressure-goodput" if pruns else "")
-                   + cpu_flags + f" && python benchmarks/prefix_cache_sim.py table OUT{' --cpu' if a.cpu else ''} --json {a.json}",
+                   + cpu_flags + f" && python benchmarks/prefix_cache_sim.py table OUT{' --cpu' if a.cpu else ''} --json {a.json}"
+                   + "".join(" --caveat '...'" for _ in a.caveat),
         "wall_time": f"{sum(walls.values()) / 60:.0f} min ({searches} goodput searches of {len(WAYS)} ways each, "
                      f"two replays of {len(replay)} systems, " + ("real time, nothing else running)" if a.cpu else "virtual time)"),
         "notes": "docs/notes/prefix_cache.md", "source": "Paper scale: goodput, KV moved and eviction (sim)"},
@@ -333,6 +336,8 @@ def main(argv=None) -> int:
     t = sub.add_parser("table", help="print the tables; --json: write the result file")
     t.add_argument("out_dir")
     t.add_argument("--cpu", action="store_true", help="the runs of run --cpu")
+    t.add_argument("--caveat", action="append", default=[], help="a sentence the results page prints after the "
+                   "reading (e.g. what the run-to-run spread is); repeatable")
     t.add_argument("--json", default=None)
     t.set_defaults(func=table)
     a = p.parse_args(argv)

@@ -595,7 +595,7 @@ def render_prefix_cache(d: dict, plot: Callable):
                                                                for n, v in lost.items())
                   + (f". Caching with least-loaded placement lost nowhere: {', '.join(alone_ok)}" if alone_ok else ""))
                + " (checks: mean TTFT and attainment at the replay's rate" + (", goodput" if pres["goodput"] else "")
-               + ").")
+               + ")." + "".join(f" Caveat: {c}" for c in d.get("caveats", [])))
     return t, plot(draw), reading
 
 
