@@ -516,7 +516,7 @@ def render_prefix_cache(d: dict, plot: Callable):
         return None if x is None else x / {"GB": 1e9, "MB": 1e6}[unit]
     rows = []
     for s in d["systems"]:
-        for i, w in enumerate(ways):
+        for i, w in enumerate(w for w in ways if w != "noplace"):  # least-loaded: in the reading and the notes
             n, r, p = name(s, w), rep["systems"].get(name(s, w), {}), pres["systems"].get(name(s, w), {})
             rows.append([s if i == 0 else "", label[w], g(d["goodput"], n, "goodput_per_device"),
                          None if r.get("hit_rate") is None else f"{r['hit_rate'] * 100:.1f}%", r.get("ttft_mean_s"),
@@ -609,26 +609,13 @@ def render_ablation(d: dict, plot: Callable):
     def label(cond: str, row: dict) -> str:
         return f"**{cond}**: {row['what']}" if cond != "ours" else f"ours: {row['what']}"
     rows = [["**paper**"] + [f"{sg(p16[w]['ttft'])} / **{sg(p16[w]['jct'])}** / {p16[w]['perf']:.2f}x" for w in ws]]
+    # the page keeps each condition alone; the combinations and Figure 18's table are in the notes
     rows += [[label(c, r)] + ["missing" if r["cells"][w] is None else
                               f"{sg(r['cells'][w]['ttft'])} / **{sg(r['cells'][w]['jct'])}** / {r['cells'][w]['perf']:.2f}x"
-                              for w in ws] for c, r in f16.items()]
+                              for w in ws] for c, r in f16.items() if not c.startswith("all")]
     t = ("Figure 16: TS-RoCE (1P+1D) against vLLM on one GPU, mean TTFT / **mean JCT** / perf/$ (output tokens/s per "
-         "busy second; the paper's HPLD perf/$ is read off its figure)\n\n" + table(["condition"] + ws, rows))
-    p18 = d["paper18"]
-    rows18 = [["**paper**", "", f"{sg(p18['74.9%']['reserve-static'])} / {sg(p18['100%']['reserve-static'])}",
-               f"**{sg(p18['74.9%']['reserve-dynamic'])}** / **{sg(p18['100%']['reserve-dynamic'])}**", "", ""]]
-    for c, r in f18.items():
-        x = r["cell"]
-        rows18.append([label(c, r), "missing", "", "", "", ""] if x is None else
-                      [label(c, r), f"{x['greedy']['jct_s']:.1f} ({x['greedy']['preemptions']})",
-                       f"{sg(x['reserve-static']['vs_greedy'])} ({x['reserve-static']['preemptions']})",
-                       f"**{sg(x['reserve-dynamic']['vs_greedy'])}** ({x['reserve-dynamic']['preemptions']})",
-                       round(x["greedy"]["makespan_s"]), x["clipped"]])
-    t += ("\n\nFigure 18: mean JCT of each reservation policy against greedy, 1P+1D, 256 ShareGPT requests "
-          "(preemptions in brackets; the paper's cells: at 74.9% / at 100% accuracy)\n\n"
-          + table(["condition", "greedy JCT s (preemptions)", "reserve-static vs greedy", "reserve-dynamic vs greedy",
-                   "greedy makespan s", "clipped"], rows18))
-
+         "busy second; the paper's HPLD perf/$ is read off its figure); the combined conditions and Figure 18's table: "
+         f"{d.get('notes_link', 'docs/notes/simulator.md')}\n\n" + table(["condition"] + ws, rows))
     def draw(ax):
         x = range(len(ws))
         ax.bar([i - 0.2 for i in x], [-(p16[w]["jct"] or 0) * 100 for w in ws], 0.4, color="0.75", label="paper")
