@@ -183,6 +183,14 @@ def shrunk(trace: dict) -> dict:
             "changes": trace["changes"]}
 
 
+def load_run(f: Path) -> dict:
+    """One cell's search (``W_C.json``), each real system with its simulated twin's knee from the log."""
+    run = json.loads(f.read_text())
+    for name, rate in simulated_knees(f.with_suffix(".log")).items():
+        run["systems"].get(name, {}).setdefault("estimated_knee_rate", rate)
+    return run
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir")
@@ -200,9 +208,7 @@ def main(argv=None) -> int:
         for c in CORNERS:
             f = Path(a.out_dir) / f"{w}_{c}.json"
             if f.exists():
-                runs[(w, c)] = run = json.loads(f.read_text())
-                for name, rate in simulated_knees(f.with_suffix(".log")).items():
-                    run["systems"].get(name, {}).setdefault("estimated_knee_rate", rate)
+                runs[(w, c)] = load_run(f)
     if not runs:
         print(f"no runs in {a.out_dir}", file=sys.stderr)
         return 1
@@ -211,10 +217,8 @@ def main(argv=None) -> int:
         for (w, c), run in runs.items():
             f = Path(extra) / f"{w}_{c}.json"
             if f.exists():
-                later = json.loads(f.read_text())
+                later = load_run(f)
                 run["systems"].update(later["systems"])
-                for name, rate in simulated_knees(f.with_suffix(".log")).items():
-                    run["systems"].get(name, {}).setdefault("estimated_knee_rate", rate)
                 abouts.add((later["about"]["commit"], later["about"]["date"][:10], later["about"]["machine"]))
     tuned = {k: row_cells(r) for k, r in runs.items() if k[0] in WORKLOADS}
     held = {k: row_cells(r) for k, r in runs.items() if k[0] in REPORT_ONLY}

@@ -120,7 +120,7 @@ class CoupledScheduler(Scheduler):
                 if floor is not None and left < floor:
                     return floor
                 total = len(r.prompt_token_ids) + max(expected_output_tokens, len(r.output_token_ids) + 1)
-                left -= max(0, -(-total // bs) - len(r.block_ids))
+                left -= max(0, blocks_needed(total, bs) - len(r.block_ids))
         return left if floor is None else max(left, floor)
 
     # ---- one step -----------------------------------------------------------------------

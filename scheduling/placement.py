@@ -148,7 +148,7 @@ def entry_key(queued_tokens: int, num_prompt_tokens: int, cached_tokens: int, kv
     caching lost to no cache; ranked by room first, 0.035 s, and caching wins. The cluster passes
     an outlook floored at minus a whole pool (``kv_outlook(..., floor)``): past that, instances
     count as equally full and the least work decides."""
-    need = -(-(num_prompt_tokens + expected_output_tokens) // block_size)  # a cached prefix's blocks count as free
+    need = blocks_needed(num_prompt_tokens + expected_output_tokens, block_size)  # cached blocks count as free
     return max(0, need - kv_outlook_blocks), entry_work(queued_tokens, num_prompt_tokens, cached_tokens)
 
 
