@@ -28,7 +28,7 @@ CI_LONG ?= tests/test_bench_engine.py tests/test_cluster.py::test_cli_generate_d
 	tests/test_prefix_cache_engine.py::test_offline_engine_answers_as_without_the_cache_and_hits
 
 
-.PHONY: serve test test-unit kernels test-long test-ci-long test-all install predictors bench results clean
+.PHONY: serve test test-unit kernels test-long test-ci-long test-all install predictors bench results results-sim-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -73,6 +73,10 @@ test-all: $(STAMP)
 # docs/RESULTS.md and its plots from the committed result files (results/*.json): seconds, nothing is rerun
 results: $(STAMP)
 	$(PY) scripts/results_page.py
+
+# a slice of each sim: section rerun on virtual time and compared with its results/*.json to the digit (minutes)
+results-sim-check: $(STAMP)
+	$(PY) benchmarks/sim_check.py
 
 bench: $(STAMP)
 	$(VENV)/bin/aserve bench engine --json docs/bench_engine.json

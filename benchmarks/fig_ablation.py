@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """TetriInfer's Figures 16 and 18 at paper scale, explained by ablation (issue 58), on virtual time.
 
-    benchmarks/fig_ablation.py run OUT [--only fig16|fig18]
+    benchmarks/fig_ablation.py run OUT [--only fig16|fig18] [--conditions ours,a,...]
     benchmarks/fig_ablation.py table OUT [--json results/fig_ablation.json]
 
 ``run`` starts from our setting (the commands of docs/notes/simulator.md, "Figure 16 at paper
@@ -227,6 +227,13 @@ def run(a: argparse.Namespace) -> int:
         steps += [("fig16", c, w, argv) for c, w, argv in fig16_steps(out)]
     if a.only in (None, "fig18"):
         steps += [("fig18", c, w, argv) for c, w, argv in fig18_steps(out)]
+    if a.conditions:  # a slice (benchmarks/sim_check.py reruns 'ours')
+        known = set(CONDITIONS16) | set(CONDITIONS18)
+        wanted = a.conditions.split(",")
+        if set(wanted) - known:
+            raise SystemExit(f"--conditions: unknown {', '.join(sorted(set(wanted) - known))} "
+                             f"(known: {', '.join(sorted(known))})")
+        steps = [st for st in steps if st[1] in wanted]
     commits = out / "commits.txt"  # every commit a step of this OUT ran at (a resumed run may add one)
     head = _commit()
     if head and head not in (commits.read_text().split() if commits.exists() else []):
@@ -414,6 +421,7 @@ def main(argv=None) -> int:
     r = sub.add_parser("run", help="run every replay of the grid (resumable)")
     r.add_argument("out")
     r.add_argument("--only", choices=("fig16", "fig18"), default=None)
+    r.add_argument("--conditions", default=None, help="comma-separated: run only these conditions' replays")
     r.set_defaults(func=run)
     t = sub.add_parser("table", help="print the tables; --json writes the result file")
     t.add_argument("out")

@@ -9,6 +9,7 @@
 #   benchmarks/goodput_paper.sh OUT_DIR            # then: python benchmarks/goodput_table.py OUT_DIR
 #   SYSTEMS=vllm,sarathi benchmarks/goodput_paper.sh OUT2   # those systems again; then
 #                                                  # goodput_table.py OUT_DIR --overlay OUT2
+#   WORKLOADS=Mixed CORNERS=balanced benchmarks/goodput_paper.sh OUT3   # one cell (sim_check.py)
 #
 # About 1-3 minutes a workload and corner for the synthetic traces and 10-15 for an Azure one on
 # two shared cores. A run whose OUT_DIR/W_C.json exists is not run again (a cut-off run resumes).
@@ -28,9 +29,12 @@ if [ -n "${SYSTEMS:-}" ]; then  # a subset, e.g. SYSTEMS=vllm,sarathi (goodput_t
   SYS=$(printf '%s\n' "$SYS" | tr ';' '\n' | grep -E "^ *($(echo "$SYSTEMS" | tr ',' '|')):" | paste -sd ';')
   [ -n "$SYS" ] || { echo "SYSTEMS=$SYSTEMS names none of the systems"; exit 2; }
 fi
+WORKLOADS=${WORKLOADS:-LPLD,LPHD,HPLD,HPHD,Mixed,Azure,AzureCode}  # a slice: benchmarks/sim_check.py
+CORNERS=${CORNERS:-balanced,tight-ttft,tight-tpot}
 search() {  # W TRACE [fit flags]
   local w=$1 trace=$2; shift 2
-  for c in balanced tight-ttft tight-tpot; do
+  [[ ",$WORKLOADS," == *",$w,"* ]] || return 0
+  for c in ${CORNERS//,/ }; do
     [ -f "$OUT/${w}_$c.json" ] && continue
     $PY cli.py bench goodput "$trace" "$@" --device sim:opt-13b-v100-32gb --slo "$c" --compare "$SYS" \
         --json "$OUT/${w}_$c.json" --plot "$OUT/${w}_$c.png" --no-progress > "$OUT/${w}_$c.log" 2>&1 \
