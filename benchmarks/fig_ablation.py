@@ -66,42 +66,50 @@ PAPER16 = {"LPLD": {"ttft": -0.44, "jct": -0.40, "perf": 1.4}, "LPHD": {"ttft": 
 PAPER18 = {"74.9%": {"reserve-static": None, "reserve-dynamic": 0.0},
            "100%": {"reserve-static": -0.10, "reserve-dynamic": -0.12}}
 
-# condition -> (what it switches on, is it already ours, which sides it reruns)
+# What the two figures' conditions of the same letter change alike, said once
+WHOLE = "lengths that fit OPT-13B's context whole (no clipped request)"
+SERVED_PREDICTOR = "predictor: what serve runs (sklearn's measured 65.7%)"
+KV_40G = "KV: a V100 with 40 GiB (about 14,500 tokens, 2.9x; no V100 has it)"
+KV_80G = "KV: a V100 with 80 GiB (about 61,700 tokens, 12x; no V100 has it)"
+
+# Figure 16: condition -> (what it switches on, which sides it reruns: both | ts | vllm; the other
+# side comes from ``ours``)
 CONDITIONS16 = {
     "ours": ("our setting: the committed traces (Poisson, 1 req/s), predictor at 74.9%, RoCE", "both"),
     "a": ("vLLM as then (v0.2): no prefix caching, 2,048-token budget, 256 seqs, 16-token blocks, recompute", "vllm"),
     "b": (f"arrivals at {FIG16_RATE:g} req/s (Poisson as ours; the paper's rate is not stated)", "both"),
     "b-2": ("arrivals at 2 req/s", "both"),
     "b-4": ("arrivals at 4 req/s", "both"),
-    "c": ("lengths that fit OPT-13B's context whole (no clipped request)", "both"),
+    "c": (WHOLE, "both"),
     "d-oracle": ("predictor: the oracle (true bucket)", "ts"),
-    "d-serve": ("predictor: what serve runs (sklearn's measured 65.7%)", "ts"),
+    "d-serve": (SERVED_PREDICTOR, "ts"),
     "e": ("link: NVLink (the paper's TS-NVLink)", "ts"),
-    "f-40g": ("KV: a V100 with 40 GiB (about 14,500 tokens, 2.9x; no V100 has it)", "both"),
-    "f": ("KV: a V100 with 80 GiB (about 61,700 tokens, 12x; no V100 has it)", "both"),
+    "f-40g": (KV_40G, "both"),
+    "f": (KV_80G, "both"),
     "all": ("a + b + c + f (d and e as ours: 74.9%, RoCE)", "both"),
     "all-r1": ("a + c + f at our 1 req/s (all but b)", "both"),
     "all-40g": ("a + c + f at 40 GiB, at our 1 req/s", "both"),
     "all-40g-4": ("a + c + f at 40 GiB, at 4 req/s", "both"),
 }
+# Figure 18: condition -> what it switches on (every condition reruns all three policies)
 CONDITIONS18 = {
-    "ours": (f"our setting: ShareGPT lengths clipped to 2,048, Poisson at {FIG18_RATE:g} req/s, predictor at 74.9%, RoCE", "all"),
-    "a": ("decode instance as vLLM then: no prefix caching, 256 seqs, 16-token blocks, recompute", "all"),
-    "b": (f"arrivals at {FIG18_LOW_RATE:g} req/s (below saturation; the paper's rate is not stated)", "all"),
-    "b-0.5": ("arrivals at 0.5 req/s", "all"),
-    "c": ("lengths that fit OPT-13B's context whole (no clipped request)", "all"),
-    "d-oracle": ("predictor: the oracle (the paper's 100% column)", "all"),
-    "d-serve": ("predictor: what serve runs (sklearn's measured 65.7%)", "all"),
-    "e": ("link: NVLink", "all"),
-    "f-40g": ("KV: a V100 with 40 GiB (about 14,500 tokens, 2.9x; no V100 has it)", "all"),
-    "f-40g-oracle": ("f at 40 GiB with the oracle", "all"),
-    "f": ("KV: a V100 with 80 GiB (about 61,700 tokens, 12x; no V100 has it)", "all"),
-    "all": ("a + b + c + f at 74.9% (the paper's 74.9% column)", "all"),
-    "all-oracle": ("a + b + c + f with the oracle (the paper's 100% column)", "all"),
-    "all-r": (f"a + c + f at our {FIG18_RATE:g} req/s (all but b), 74.9%", "all"),
-    "all-r-oracle": (f"a + c + f at our {FIG18_RATE:g} req/s (all but b), the oracle", "all"),
-    "all-40g": (f"a + c + f at 40 GiB, at our {FIG18_RATE:g} req/s, 74.9%", "all"),
-    "all-40g-oracle": (f"a + c + f at 40 GiB, at our {FIG18_RATE:g} req/s, the oracle", "all"),
+    "ours": f"our setting: ShareGPT lengths clipped to 2,048, Poisson at {FIG18_RATE:g} req/s, predictor at 74.9%, RoCE",
+    "a": "decode instance as vLLM then: no prefix caching, 256 seqs, 16-token blocks, recompute",
+    "b": f"arrivals at {FIG18_LOW_RATE:g} req/s (below saturation; the paper's rate is not stated)",
+    "b-0.5": "arrivals at 0.5 req/s",
+    "c": WHOLE,
+    "d-oracle": "predictor: the oracle (the paper's 100% column)",
+    "d-serve": SERVED_PREDICTOR,
+    "e": "link: NVLink",
+    "f-40g": KV_40G,
+    "f-40g-oracle": "f at 40 GiB with the oracle",
+    "f": KV_80G,
+    "all": "a + b + c + f at 74.9% (the paper's 74.9% column)",
+    "all-oracle": "a + b + c + f with the oracle (the paper's 100% column)",
+    "all-r": f"a + c + f at our {FIG18_RATE:g} req/s (all but b), 74.9%",
+    "all-r-oracle": f"a + c + f at our {FIG18_RATE:g} req/s (all but b), the oracle",
+    "all-40g": f"a + c + f at 40 GiB, at our {FIG18_RATE:g} req/s, 74.9%",
+    "all-40g-oracle": f"a + c + f at 40 GiB, at our {FIG18_RATE:g} req/s, the oracle",
 }
 
 
@@ -316,7 +324,7 @@ def fig18_data(out: Path) -> dict:
     """Per condition: each policy's mean JCT, preemptions and makespan, and each reservation policy
     against greedy; a missing report is None."""
     rows = {}
-    for cond, (what, _) in CONDITIONS18.items():
+    for cond, what in CONDITIONS18.items():
         rep = _load(out, "fig18", cond, "ShareGPT")
         cell = None
         if rep is not None:

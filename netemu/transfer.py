@@ -214,6 +214,19 @@ class _Post:
     done: asyncio.Future
 
 
+def _one_sided(op: str, doc: str):
+    """``KVLink.write`` and ``KVLink.read``: the same call, named ``op`` in the record (the
+    emulated link moves the blocks the same way whichever side drives it)."""
+    async def transfer(self: KVLink, request_id: str, src_pool: torch.Tensor,
+                       src_block_ids: Sequence[int], dst_pool: torch.Tensor,
+                       dst_block_ids: Sequence[int], *, num_tokens: Optional[int] = None,
+                       executor: Optional[Executor] = None) -> TransferRecord:
+        return await self._transfer(op, request_id, src_pool, src_block_ids, dst_pool,
+                                    dst_block_ids, num_tokens, executor)
+    transfer.__name__, transfer.__qualname__, transfer.__doc__ = op, f"KVLink.{op}", doc
+    return transfer
+
+
 class KVLink:
     """One emulated interconnect that instances' KV transfers share.
 
@@ -263,21 +276,8 @@ class KVLink:
             raise ValueError(f"n and seconds must be >= 0, got {n}, {seconds}")
         self._stalls += [seconds] * n
 
-    async def write(self, request_id: str, src_pool: torch.Tensor, src_block_ids: Sequence[int],
-                    dst_pool: torch.Tensor, dst_block_ids: Sequence[int], *,
-                    num_tokens: Optional[int] = None,
-                    executor: Optional[Executor] = None) -> TransferRecord:
-        """One-sided push by the sender into blocks the receiver already allocated."""
-        return await self._transfer("write", request_id, src_pool, src_block_ids, dst_pool,
-                                    dst_block_ids, num_tokens, executor)
-
-    async def read(self, request_id: str, src_pool: torch.Tensor, src_block_ids: Sequence[int],
-                   dst_pool: torch.Tensor, dst_block_ids: Sequence[int], *,
-                   num_tokens: Optional[int] = None,
-                   executor: Optional[Executor] = None) -> TransferRecord:
-        """One-sided pull by the receiver from blocks the sender still holds."""
-        return await self._transfer("read", request_id, src_pool, src_block_ids, dst_pool,
-                                    dst_block_ids, num_tokens, executor)
+    write = _one_sided("write", "One-sided push by the sender into blocks the receiver already allocated.")
+    read = _one_sided("read", "One-sided pull by the receiver from blocks the sender still holds.")
 
     async def send(self, request_id: str, src_pool: torch.Tensor, src_block_ids: Sequence[int],
                    *, num_tokens: Optional[int] = None,

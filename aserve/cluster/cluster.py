@@ -47,6 +47,7 @@ from aserve.devices.measured import resolve
 from aserve.engine.instance import Instance, StepReport
 from aserve.engine.policies import Policies
 from aserve.engine.stops import StopChecker
+from aserve.event_loop import overslept
 from aserve.predict.online import OnlinePredictor
 from scheduling.clock import Clock, MonotonicClock
 from scheduling.hybrid import HybridScheduler
@@ -214,12 +215,8 @@ class Cluster:
 
     # ---- monitor -----------------------------------------------------------------------------
     async def _monitor_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        interval = self.cfg.monitor_interval_s
         while True:
-            t0 = loop.time()
-            await asyncio.sleep(interval)
-            self.loop_lag_s = max(0.0, loop.time() - t0 - interval)
+            self.loop_lag_s = await overslept(self.cfg.monitor_interval_s)
             self.broadcast()
             self.lifecycle.reclaim_leases()
 

@@ -16,6 +16,13 @@ from typing import Optional
 from aserve.commands.slo_budget import engine_tbt, prefill_tbt_arg, slo_cluster, tbt_slo_arg
 
 
+def add_switches(g, table) -> None:
+    """On/off flags (``--x`` / ``--no-x``), one ``(flag, default, help)`` row each, added in the
+    table's order (the order ``--help`` lists them in)."""
+    for flag, default, what in table:
+        g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=what)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct, bundled), a local HF checkpoint folder, or a .gguf file")
@@ -135,18 +142,18 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                         "auto (default): unless a hand-over saves more than it costs, priced with the measured step "
                         "costs; N: unless it runs N decodes more than the least busy decode instance "
                         "(scheduling/placement.py)")
-    g.add_argument("--prompt-first", action=argparse.BooleanOptionalAction, default=False,
-                   help="adaptive: a prompt that ends within the budget its instance's decodes leave runs first, in a "
-                        "step of its own (vLLM's prompt step), instead of sharing its last step with the decodes; "
-                        "their token gap stays within one full step's (scheduling/hybrid.py)")
-    g.add_argument("--prefix-aware-placement", action=argparse.BooleanOptionalAction, default=True,
-                   help="with prefix caching: a prompt goes where its cached prefix saves more than the queue there "
-                        "costs (coupled, disagg: the least uncached work; adaptive: the placement's priced cost), "
-                        "instead of by load alone (scheduling/placement.py)")
-    g.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=True,
-                   help="adaptive: once requests stop arriving and no prompt is queued anywhere, running decodes "
-                        "move from the busiest instance to the least busy one (an idle prefill instance included) by "
-                        "KV migration, as many as pay by the placement's step costs (scheduling/placement.py)")
+    add_switches(g, (
+        ("--prompt-first", False, "adaptive: a prompt that ends within the budget its instance's decodes leave runs "
+                                  "first, in a step of its own (vLLM's prompt step), instead of sharing its last step "
+                                  "with the decodes; their token gap stays within one full step's (scheduling/hybrid.py)"),
+        ("--prefix-aware-placement", True, "with prefix caching: a prompt goes where its cached prefix saves more than "
+                                           "the queue there costs (coupled, disagg: the least uncached work; adaptive: "
+                                           "the placement's priced cost), instead of by load alone "
+                                           "(scheduling/placement.py)"),
+        ("--rebalance", True, "adaptive: once requests stop arriving and no prompt is queued anywhere, running decodes "
+                              "move from the busiest instance to the least busy one (an idle prefill instance "
+                              "included) by KV migration, as many as pay by the placement's step costs "
+                              "(scheduling/placement.py)")))
     g.add_argument("--rebalance-quiet", type=float, default=10.0, metavar="S",
                    help="adaptive rebalance: decodes move only once no request has arrived for S seconds (while "
                         "requests keep coming the placement evens the load, and moves cost)")
@@ -159,15 +166,15 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                         "(TaiChi's prefill-heavy instances: few decodes ride there; a step with none runs its prompts "
                         "whole): gap, tpot, SECONDS as --tbt-slo; same = the engine's budget. Default: gap where the "
                         "engine's budget is sized for the SLO, else same")
-    g.add_argument("--slo-placement", action=argparse.BooleanOptionalAction, default=None,
-                   help="adaptive: place each prompt, among the instances where its estimated TTFT keeps "
-                        "--slo-slack of the SLO's TTFT limit, where its chunks slow the fewest running decodes "
-                        "(else where it costs least), and late-bind by the same rule (scheduling/placement.py). "
-                        "Default: on wherever the SLO in force has a TTFT limit (serve: always), else off")
-    g.add_argument("--slo-order", action=argparse.BooleanOptionalAction, default=False,
-                   help="adaptive: each instance admits waiting prompts by TTFT deadline (arrival + the SLO's TTFT "
-                        "limit), those already past theirs after those that can still meet it; requests already "
-                        "started (preempted, handed over) first as before (scheduling/hybrid.py)")
+    add_switches(g, (
+        ("--slo-placement", None, "adaptive: place each prompt, among the instances where its estimated TTFT keeps "
+                                  "--slo-slack of the SLO's TTFT limit, where its chunks slow the fewest running "
+                                  "decodes (else where it costs least), and late-bind by the same rule "
+                                  "(scheduling/placement.py). Default: on wherever the SLO in force has a TTFT limit "
+                                  "(serve: always), else off"),
+        ("--slo-order", False, "adaptive: each instance admits waiting prompts by TTFT deadline (arrival + the SLO's "
+                               "TTFT limit), those already past theirs after those that can still meet it; requests "
+                               "already started (preempted, handed over) first as before (scheduling/hybrid.py)")))
     g.add_argument("--slo-slack", type=float, default=0.5,
                    help="--slo-placement: the share of a prompt's TTFT limit its estimated TTFT may use")
     g.add_argument("--no-flip-migrate", action="store_true",

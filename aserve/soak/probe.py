@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from aserve.cluster.lifecycle import release_freed_memory
+from aserve.event_loop import overslept
 from aserve.soak.report import LEVEL_WINDOW_S
 from aserve.soak.settings import SoakConfig
 
@@ -56,12 +57,8 @@ class Probe:
         self.settled = False  # set once the soak has settled: its samples give RSS's end level
 
     async def lag_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        period = self.cfg.lag_period_s
         while True:
-            t0 = loop.time()
-            await asyncio.sleep(period)
-            lag = max(0.0, loop.time() - t0 - period)
+            lag = await overslept(self.cfg.lag_period_s)
             self.lags.append(lag)
             self._worst = max(self._worst, lag)
 
