@@ -394,3 +394,34 @@ def test_placement_costs_pinned_from_the_command_line_reach_the_placement():
     for bad in ("0.1,0.2", "a,b,c", "0.1,-0.2,0.3", "0.1,0.2,0.3,0.4", "nan,0,0", "0,inf,0"):
         with pytest.raises(SystemExit):
             p.parse_args(["--mode", "adaptive", "--placement-costs", bad])
+
+
+def test_a_head_without_blocks_does_not_hold_an_idle_instance_for_ever():
+    # A preempted request at the head of the queue needs more blocks than are free, and the only
+    # blocks held are those of a hand-over that landed behind it: with nothing running, nothing
+    # would ever free them. Seen at paper scale (AzureCode, tight TPOT), where a goodput search's
+    # replay spun on virtual time for ever. The hand-over runs first, then the head.
+    s = HybridScheduler(BlockManager(20, 16), DecodeConfig(), HybridConfig(token_budget=256))
+    big = req("big", 200, max_tokens=50)
+    s.add_request(big)
+    step(s, s.schedule())  # its prompt, whole: 201 tokens in 13 blocks
+    held = Request("held", list(range(1, 101)), SamplingParams(max_tokens=4, temperature=0))
+    held.output_token_ids, held.num_computed_tokens = [7], 100  # prefilled elsewhere, its KV on the way
+    assert s.allocate_incoming(held) is not None and s.blocks.num_free == 0  # 7 blocks reserved
+    while "big" in s.running_ids:  # big grows into a 14th block, finds none, and is preempted
+        step(s, s.schedule())
+    assert big.num_preemptions == 1 and s.blocks.num_free == 13
+    s.accept_incoming(held)  # lands behind big, which needs 14 blocks for prompt + output
+    assert s.waiting_ids == ["big", "held"]
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"held": 1}
+    for _ in range(200):  # both finish: held frees its blocks, then big starts again
+        events = step(s, plan)
+        for r in events.tokens:
+            if r.num_output_tokens >= r.sampling.max_tokens:
+                s.finish(r, "length")
+        if not s.num_requests:
+            break
+        plan = s.schedule()
+        assert not plan.empty, "an instance with requests and nothing running made no plan"
+    assert not s.num_requests and held.finish_reason == big.finish_reason == "length"
