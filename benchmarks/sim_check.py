@@ -60,19 +60,19 @@ def same(a, b) -> bool:
 
 
 def grid(out: Path) -> list[tuple]:
-    py = sys.executable
+    from goodput_table import best_tetri, split_of  # how the file's table picked and named the split
+
     wall = _run(["bash", "benchmarks/goodput_paper.sh", out], out / "grid.log",
-                {"PY": py, "WORKLOADS": "Mixed", "CORNERS": "balanced"})
+                {"PY": sys.executable, "WORKLOADS": "Mixed", "CORNERS": "balanced"})
     run = json.loads((out / "Mixed_balanced.json").read_text())["systems"]
     mine = {c["system"]: c for c in _data("goodput_paper")["cells"]
             if c["workload"] == "Mixed" and c["corner"] == "balanced"}
-    tetri = max((n for n in run if n.startswith("tetri-")), key=lambda n: run[n]["goodput_per_device"] or 0.0)
+    tetri, best = best_tetri(run)
     rows = []
     for system, name in (("vllm", "vllm"), ("sarathi", "sarathi"), ("tetri", tetri), ("adaptive", "adaptive")):
         rows.append(("goodput_paper", f"Mixed balanced {system} goodput/device",
                      mine[system]["goodput_per_device"], run[name]["goodput_per_device"]))
-    split = tetri.removeprefix("tetri-").upper().replace("P", "P+")
-    rows.append(("goodput_paper", "Mixed balanced tetri's best split", mine["tetri"]["split"], split))
+    rows.append(("goodput_paper", "Mixed balanced tetri's best split", mine["tetri"]["split"], split_of(tetri, best)))
     return rows, wall
 
 

@@ -412,7 +412,7 @@ def render_goodput(d: dict, plot: Callable):
         t += f" ({c['split']})" if c.get("split") else ""
         return f"**{t}**" if best else t
 
-    rows, wins, limits = [], {}, {}
+    rows, wins, limits, leaders = [], {}, {}, {}
     order = list(dict.fromkeys(c["workload"] for c in d["cells"]))
     for w in order:  # a row a workload, a column a corner: the four systems' goodput in each cell
         tuned = d["workloads"][w]["tuned_on"]
@@ -424,6 +424,7 @@ def render_goodput(d: dict, plot: Callable):
                 continue
             top = max((x["goodput_per_device"] or 0.0) for x in row.values())
             best = [n for n in systems if top > 0 and (row[n]["goodput_per_device"] or 0.0) >= top * 0.999]
+            leaders[(w, corner)] = best
             for n in best:
                 wins.setdefault((corner, tuned), {}).setdefault(n, []).append(w)
             lead = max(row.values(), key=lambda x: x["goodput_per_device"] or 0.0)
@@ -469,9 +470,7 @@ def render_goodput(d: dict, plot: Callable):
                + (f". On the held-out {', '.join(held)} trace: " + "; ".join(f"{c}: {said(c, False)}" for c in corners
                                                                            if said(c, False)) if held else ""))
     if paper:
-        split_best = [f"{w} {c}" for (w, c), row in cells.items()
-                      if (row["tetri"]["goodput_per_device"] or 0.0) >= max((x["goodput_per_device"] or 0.0)
-                                                                           for x in row.values()) * 0.999]
+        split_best = [f"{w} {c}" for (w, c), best in leaders.items() if "tetri" in best]
         reading += (". The static split leads only at " + (", ".join(split_best) or "no cell")
                     + ": with each token budget sized for its corner's token gap, the coupled systems and adaptive "
                     "keep their decodes' gaps without a device of their own, and a V100 holds too little OPT-13B KV for "
