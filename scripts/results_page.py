@@ -269,22 +269,35 @@ def render_predictor(d: dict, plot: Callable):
 
 
 def render_simulator(d: dict, plot: Callable):
-    lim, metrics, cells = d["limits_pct"], d["metrics"], d["cells"]
+    """The frozen profile's held-out error (benchmarks/sim_heldout.py), the knees beside, and every
+    earlier validation's count of cells over as the plot."""
+    lim, systems = d["limits_pct"], d["systems"]
+    runs: dict = {}
+    for r in d["rows"]:
+        runs.setdefault(r["workload"], {})[r["system"]] = r
 
-    def over(metric: str, err: float) -> bool:
-        return abs(err) > (lim["p99"] if "P99" in metric else lim["mean"])
-    rows, seen = [], set()
-    for r in cells["runs"]:
-        w = r["workload"]
-        held = cells["held_out_cells_over"][w]
-        rows.append([w if w not in seen else "", r["system"], f"{r['speed']:.3f}"]
-                    + [f"{c[2]:+d}%" + (" !" if over(m, c[2]) else "") for m, c in zip(metrics, r["cells"])]
-                    + [f"{held[0]} of {held[1]}" if w not in seen else ""])
-        seen.add(w)
-    t = table(["run", "system", "speed fitted on the run"] + metrics + ["no speed: cells over (held out)"], rows)
-    fitted_over = sum(over(m, c[2]) for r in cells["runs"] for m, c in zip(metrics, r["cells"]))
-    fitted_of = sum(len(r["cells"]) for r in cells["runs"])
-    vals = [dict(v, over=fitted_over, of=fitted_of) if v.get("cells_from") == "cells" else v for v in d["validations"]]
+    def over(c: dict) -> bool:
+        return c["error"] is None or abs(c["error"]) > c["limit"]
+
+    def cell(r: dict) -> str:
+        errs = " / ".join("n/a" if c["error"] is None else f"{c['error'] * 100:+.0f}%" + ("!" if over(c) else "")
+                          for c in r["cells"])
+        real, sim = r["attainment"]
+        return f"{errs} ({real * 100:.0f}/{sim * 100:.0f}%)"
+
+    rows = []
+    for w, by in runs.items():
+        speeds = [r["step_speed"]["speed"] for r in by.values() if r["step_speed"]["speed"] is not None]
+        steal = max(r["steal"] or 0.0 for r in by.values())
+        rows.append([w + ("" if w in d["tuned_on"] else " (held out)"), fmt(next(iter(by.values()))["rate"])]
+                    + [cell(by[n]) if n in by else "-" for n in systems]
+                    + [f"{span(speeds)} / {steal * 100:.1f}%"])
+    t = table(["workload", "req/s"] + list(systems) + ["steps / profile; steal"], rows)
+    cells = [(r, c) for r in d["rows"] for c in r["cells"]]
+    bad = [(r, c) for r, c in cells if over(c)]
+    calm = [(r, c) for r, c in cells if r["step_speed"]["speed"] is not None
+            and abs(r["step_speed"]["speed"] - 1.0) < d["drift_limit"]]
+    vals = d["validations"] + [dict(label=d["label"], fitted_on=None, over=len(bad), of=len(cells))]
 
     def held_out(v) -> bool:  # nothing from the compared run fed the simulation
         return v["fitted_on"] in (None, "other runs' steps")
@@ -298,20 +311,38 @@ def render_simulator(d: dict, plot: Callable):
         ax.set_xlim(0, 110)
         ax.set_xlabel("cells over the limits, % (red: held out; grey: fitted on the compared run)", fontsize=8)
 
-    held = [v for v in vals if held_out(v)]
-    alone = [v for v in held if v["fitted_on"] is None]
-    speed = [v for v in vals if (v["fitted_on"] or "").startswith("the compared run's speed") and v.get("cells_from") != "cells"]
-    reading = (f"A cell is one figure of one system's replay (mean and P99 of TTFT, token gap and JCT), over when the "
-               f"simulated figure is off by more than {lim['mean']}% on a mean or {lim['p99']}% on a P99. **Held out** "
-               f"(nothing from the compared run feeds the simulation), {sum(v['over'] for v in held)} of "
-               f"{sum(v['of'] for v in held)} cells were over in {len(held)} validations; with the profile measured alone "
-               f"{sum(v['over'] for v in alone)} of {sum(v['of'] for v in alone)} ("
-               + ", ".join(f"{v['over']} of {v['of']}" for v in alone)
-               + f"). The table's runs are inside the limits ({fitted_over} of {fitted_of} over) only because each is "
-               f"replayed at a speed **fitted on that same run** ({span([r['speed'] for r in cells['runs']], '{:.3f}')}x the "
-               f"profile's costs); so are the later " + " and ".join(f"{v['over']} of {v['of']} ({v['commit']})" for v in speed)
-               + ": they say the simulator's schedules reproduce a run once that run's speed is known, not that it "
-               "predicts one it has not seen (issue 58).")
+    worst = sorted(bad, key=lambda rc: -abs(rc[1]["error"] or 9))[:4]
+    checks = ", ".join(f"{c['step']} {c['error'] * 100:+.1f}%" for c in d["profile"]["checks"])
+    words = d["fit"].split()
+    fit = {k: v for k, v in zip(words, words[1:]) if k.startswith("--")}
+    reading = (f"Each workload's four systems were first predicted on one profile of this CPU ({d['profile']['what']}; "
+               f"its own held-out checks: {checks}), frozen before any run, and then run for real in the same order; "
+               f"nothing of a real run fed its prediction, not even the rate (the simulated knee of sarathi). A cell "
+               f"holds the errors of mean TTFT / mean JCT / P99 token gap, simulated against real ('!': over "
+               f"{lim['mean']}% on a mean, {lim['p99']}% on the P99), then the requests within the SLOs, real / "
+               f"simulated. The traces are the CPU goodput rows' (the first {fit['--num-requests']} requests, lengths "
+               f"x{fit['--length-scale']}, two instances of one thread), so a P99 is about one request's largest gap and one placement decides it. "
+               f"**{len(bad)} of {len(cells)} cells are over**; in runs whose decode steps ran within "
+               f"{d['drift_limit'] * 100:.0f}% of the profile's price, "
+               f"{sum(over(c) for _, c in calm)} of {len(calm)}. The last column is what the machine did meanwhile: "
+               f"each system's decode-only steps, measured over the profile's price (the median; it holds the "
+               f"profile's own decode error, so it bounds the machine's drift), and the CPU time the hypervisor stole. "
+               f"The largest misses: " + ", ".join(f"{r['workload']} {r['system']} {c['metric']} "
+                                                  f"{c['error'] * 100:+.0f}%" for r, c in worst) + ". ")
+    if d["knees"]:
+        ks = d["knees"]
+        inside = [k for k in ks if k["bracket"][0] <= k["sim"] <= k["bracket"][1] * 1.0001]
+        reading += (f"Goodput knees (benchmarks/goodput_cpu.sh, the twin on the same profile): the simulated knee is "
+                    f"{span([k['sim'] / k['real'] for k in ks])}x the real one over {len(ks)} searches ("
+                    + ", ".join(f"{k['workload']} {k['system']} {k['sim'] / k['real']:.2f}x" for k in ks)
+                    + f"), inside the real search's bracket in {len(inside)} of {len(ks)}. ")
+    alone = [v for v in d["validations"] if v["fitted_on"] is None]
+    fitted = [v for v in d["validations"] if not held_out(v)]
+    reading += ("Before this (the plot's other bars): the profile alone, measured beside other work or without the "
+                "LM head, left " + ", ".join(f"{v['over']} of {v['of']}" for v in alone) + " cells over; a speed "
+                "read off the compared run itself brought that to " + ", ".join(
+                    f"{v['over']} of {v['of']}" for v in fitted if "over" in v) + ", which says the schedules are "
+                "right once a run's speed is known, not that the simulator predicts one.")
     return t, plot(draw), reading
 
 
