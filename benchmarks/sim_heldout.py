@@ -285,12 +285,12 @@ def table(a) -> int:
         kover = sum(abs(k["error"]) > 0.10 for k in knees)
         print(f"\n{kover} of {len(knees)} knees off by more than 10%.")
     if a.json:
-        write_results(Path(a.json), out, profile, profile_path, workloads, rows, knees, over, total)
+        write_results(Path(a.json), out, profile, profile_path, workloads, rows, knees, over, total, a.caveat)
     return 0
 
 
 def write_results(path: Path, out: Path, profile, profile_path: Path, workloads: list, rows: list, knees: list,
-                  over: int, total: int) -> None:
+                  over: int, total: int, caveats: list) -> None:
     """The results page's file (scripts/results_page.py, kind ``simulator``): this run's rows and
     knees, and the earlier validations' counts carried over from the file it replaces."""
     metas = [json.loads((out / f"{w}_meta.json").read_text()) for w in workloads]
@@ -311,7 +311,7 @@ def write_results(path: Path, out: Path, profile, profile_path: Path, workloads:
         "command": "aserve profile device --threads 1 --out P.json   # once, at rest\n"
                    "benchmarks/sim_heldout.py run OUT --profile P.json   # per workload: predict, then run\n"
                    "benchmarks/sim_heldout.py table OUT --knees GP --json results/simulator_error.json   "
-                   "# GP: benchmarks/goodput_cpu.sh's folder, its twin on the same profile",
+                   "--caveat '...'   # GP: benchmarks/goodput_cpu.sh's folder, its twin on the same profile",
         "wall_time": f"{sum(m['real_wall_s'] for m in metas) / 60:.0f} min of real runs, nothing else running",
         "notes": "docs/notes/simulator.md",
         "source": "The frozen profile on held-out runs (issue 58), 2026-11-29"},
@@ -322,7 +322,7 @@ def write_results(path: Path, out: Path, profile, profile_path: Path, workloads:
                              "what": f"{pm.get('date')}, {pm.get('threads')} thread, at rest",
                              "checks": pm.get("checks", [])},
                  "rows": rows, "knees": knees, "over": over, "cells": total,
-                 "fit": FIT, "validations": history}}
+                 "fit": FIT, "validations": history, "caveats": caveats}}
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {path}")
 
@@ -351,7 +351,9 @@ def main(argv=None) -> int:
     t = sub.add_parser("table", help="the error table of a run's folder")
     t.add_argument("out")
     t.add_argument("--knees", action="append", default=[], help="a benchmarks/goodput_cpu.sh folder (repeatable)")
-    t.add_argument("--json", default=None, help="write the rows here (the results page's file wants a meta block)")
+    t.add_argument("--json", default=None, help="write the results page's file here (kind simulator), keeping the "
+                   "earlier validations' counts of the file it replaces")
+    t.add_argument("--caveat", action="append", default=[], help="a sentence the page prints after the reading")
     a = ap.parse_args(argv)
     return run(a) if a.cmd == "run" else table(a)
 

@@ -343,6 +343,7 @@ def render_simulator(d: dict, plot: Callable):
                 "read off the compared run itself brought that to " + ", ".join(
                     f"{v['over']} of {v['of']}" for v in fitted if "over" in v) + ", which says the schedules are "
                 "right once a run's speed is known, not that the simulator predicts one.")
+    reading += "".join(f" Caveat: {c}" for c in d.get("caveats", []))
     return t, plot(draw), reading
 
 

@@ -12,9 +12,9 @@ instance's torch threads:
     contention     a 16-row decode step alone, and while a second runner on another thread
                    prefills without pause (only when the machine has the cores for both)
 
-then the fit is checked against steps it was not fitted on (a prompt chunk at another size and
-context, decode batches of another size, a Sarathi hybrid iteration) and their errors printed and
-kept in the profile's ``meta``.
+then the fit is checked against steps it was not fitted on (prompt chunks at other sizes, one
+after cached tokens and one from position 0, decode batches of another size, a Sarathi hybrid
+iteration) and their errors printed and kept in the profile's ``meta``.
 
 A profile is taken at rest (aserve/profiles/rest.py): other processes' CPU use is read for a
 second before and over the whole measurement, and the ``linear(16)`` point is timed again at
@@ -53,6 +53,7 @@ PROFILE_VERSION = 2
 DECODE_CONTEXTS = (256, 1024, 2048)
 PREFILL_POINTS = ((128, 0), (128, 1024), (512, 0), (512, 1024))
 CHECKS = (("prefill 256 after 512", lambda m: m.prefill_s(256, 512), "prefill", (256, 512)),
+          ("prefill 384 from the start", lambda m: m.prefill_s(384, 0), "prefill", (384, 0)),
           ("decode 32 rows at 512", lambda m: m.decode_s(32, 512), "decode", (32, 512)),
           ("decode 4 rows at 1536", lambda m: m.decode_s(4, 1536), "decode", (4, 1536)),
           ("hybrid 256: 32 decodes + 224 at 512", lambda m: m.hybrid_s(256, 32, 512), "hybrid", (256, 32, 512)))
