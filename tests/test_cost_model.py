@@ -2,6 +2,7 @@
 the command line's defaults, and a real (tiny-model) measurement."""
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -148,6 +149,9 @@ def test_measure_a_tiny_model():
     assert cost.tokens == GRID and all(t > 0 for t in cost.linear_s)
     assert cost.attn_prefill_s >= 0 and cost.attn_decode_s >= 0 and cost.contention >= 0 and cost.logits_row_s >= 0
     assert "logits" in seen  # the LM head timed on its own: what a prompt row that samples nothing saves
+    if (os.cpu_count() or 1) >= 2:  # contention: the median of three alone / beside pairs, each kept
+        pairs = cost.meta["contention_pairs"]
+        assert len(pairs) == 3 and cost.contention == pytest.approx(max(0.0, sorted(pairs)[1]), abs=1e-4)
     assert [c["step"] for c in cost.meta["checks"]] == [c[0] for c in CHECKS]
     assert all(c["measured_s"] > 0 and c["predicted_s"] > 0 for c in cost.meta["checks"])
     assert cost.meta["model"] == "tiny" and cost.meta["threads"] == 1 and "cores" in cost.meta["machine"]

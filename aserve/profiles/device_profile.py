@@ -10,7 +10,8 @@ instance's torch threads:
     attn_prefill   chunks of 128 and 512 tokens after 0 and 1,024 cached: time - (linear(n) less
                    the n - 1 rows' logits), per pair
     contention     a 16-row decode step alone, and while a second runner on another thread
-                   prefills without pause (only when the machine has the cores for both)
+                   prefills without pause, alternated three times, the median ratio (only when
+                   the machine has the cores for both)
 
 then the fit is checked against steps it was not fitted on (prompt chunks at other sizes, one
 after cached tokens and one from position 0, decode batches of another size, a Sarathi hybrid
@@ -138,7 +139,8 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, device: str, threads: in
         fitted = CostModel(GRID, tuple(linear), fit_attention(prefill_points), fit_attention(decode_points),
                            logits_row_s=logits_row)
         tick("contention")
-        contention = _contention(model, dtype, device, threads, steps)
+        measured_contention = _contention(model, dtype, device, threads, steps)
+        contention, contention_pairs = measured_contention or (None, None)
         checks = _checks(fitted, steps, tick)
         tick("probe")  # the first probe was the grid's point at PROBE_ROWS, minutes ago
         probe_last = steps.time(decodes=[1] * PROBE_ROWS)
@@ -148,7 +150,8 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, device: str, threads: in
             "probe_first_s": linear[GRID.index(PROBE_ROWS)], "probe_last_s": probe_last}
     info = {**(meta or {}), "threads": threads, "machine": machine(), "cpu_flags": cpu_flags(),
             "date": date.today().isoformat(), "reps": reps, "checks": checks,
-            "contention_measured": contention is not None, "version": PROFILE_VERSION, "rest": seen}
+            "contention_measured": contention is not None, "contention_pairs": contention_pairs,
+            "version": PROFILE_VERSION, "rest": seen}
     return CostModel(GRID, tuple(linear), fitted.attn_prefill_s, fitted.attn_decode_s, contention or 0.0, info,
                      logits_row_s=logits_row)
 
@@ -175,32 +178,50 @@ def _logits_row_s(runner: ModelRunner, dtype: torch.dtype, reps: int) -> float:
     return max(0.0, (times[-1] - times[0]) / (LOGITS_ROWS[-1] - LOGITS_ROWS[0]))
 
 
-def _contention(model, dtype, device: str, threads: int, steps: _Steps) -> Optional[float]:
-    """How much slower a decode step runs while another runner prefills without pause; None
-    where the machine lacks the cores to run both (or off the CPU)."""
+CONTENTION_PAIRS = 3  # alone / beside pairs, alternated: one pair once read 0% on a VM whose runs showed +12-20%
+
+
+def _contention(model, dtype, device: str, threads: int, steps: _Steps,
+                pairs: int = CONTENTION_PAIRS) -> Optional[tuple[float, list]]:
+    """How much slower a decode step runs while another runner prefills without pause, the median
+    over ``pairs`` alternations of the step alone and beside it (each side its own median of
+    ``reps``), and every pair's ratio; None where the machine lacks the cores to run both (or off
+    the CPU). The neighbour is parked between its steps while the step is timed alone."""
     if device != "cpu" or (os.cpu_count() or 1) < 2 * threads:
         return None
-    alone = steps.time(decodes=[1024] * DECODE_BATCH)
     other, other_blocks = pool_for(model, dtype, device, num_blocks=blocks_needed(512, 16))
     neighbour = _Steps(other, other_blocks, 1)
     plan, held = neighbour.plan(chunks=[(512, 0)])
-    stop = threading.Event()
+    stop, go, parked = threading.Event(), threading.Event(), threading.Event()
 
     def busy() -> None:
         torch.set_num_threads(threads)
         with torch.inference_mode():
             while not stop.is_set():
+                if not go.is_set():
+                    parked.set()
+                    go.wait(0.05)
+                    continue
+                parked.clear()
                 other.execute(plan)
+        parked.set()
 
     worker = threading.Thread(target=busy, name="profile-neighbour", daemon=True)
     worker.start()
+    ratios = []
     try:
-        time.sleep(0.3)  # the neighbour is mid-chunk before the first timed step
-        beside = steps.time(decodes=[1024] * DECODE_BATCH)
+        for _ in range(pairs):
+            go.clear()
+            parked.wait()  # its step in flight has finished
+            alone = steps.time(decodes=[1024] * DECODE_BATCH)
+            go.set()
+            time.sleep(0.3)  # the neighbour is mid-chunk before the first timed step
+            ratios.append(steps.time(decodes=[1024] * DECODE_BATCH) / alone)
     finally:
         stop.set()
+        go.set()
         worker.join()
-    return max(0.0, beside / alone - 1.0)
+    return max(0.0, statistics.median(ratios) - 1.0), [round(r - 1.0, 4) for r in ratios]
 
 
 def _checks(model: CostModel, steps: _Steps, tick: Tick) -> list[dict]:
@@ -329,9 +350,11 @@ def _print(console, cost: CostModel, seconds: float, path, out: Optional[str]) -
     for n, sec in zip(cost.tokens, cost.linear_s):
         t.add_row(str(n), f"{sec * 1e3:.1f}", f"{n / sec:,.0f}")
     console.print(t)
+    pairs = cost.meta.get("contention_pairs")
+    spread = f" (median of {', '.join(f'{p:+.0%}' for p in pairs)})" if pairs else ""
     console.print(f"attention: {cost.attn_prefill_s * 1e9:.2f} ns per prompt query-key pair, "
                   f"{cost.attn_decode_s * 1e9:.1f} ns per decode context token; logits "
-                  f"{cost.logits_row_s * 1e3:.2f} ms a row; contention {cost.contention:+.0%} beside a busy "
+                  f"{cost.logits_row_s * 1e3:.2f} ms a row; contention {cost.contention:+.0%}{spread} beside a busy "
                   "neighbour", highlight=False)
     checks = Table(title="the fit on steps it was not fitted on")
     for col in ("step", "measured ms", "predicted ms", "error"):
