@@ -311,14 +311,7 @@ class Lifecycle:
         self.plane.broadcast()
         self.log.log("instance_removed", iid, f"removed after a {drain_s * 1e3:.0f} ms drain")
         del inst
-        if getattr(asyncio.get_running_loop(), "clock", None) is not None:
-            # a virtual-time loop (aserve/devices/virtual_time.py) jumps its clock to the next timer
-            # while a thread works, so the trim's real milliseconds let every pending timeout fire
-            # (a request stream timed out in test_add_and_remove_instances_under_load); on the
-            # loop it takes no simulated time, as all host work there does
-            release_freed_memory()
-        else:
-            await asyncio.to_thread(release_freed_memory)
+        await asyncio.to_thread(release_freed_memory)
         return {"instance": iid, "drain_s": drain_s}
 
     def instances_view(self) -> list[dict]:

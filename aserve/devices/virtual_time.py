@@ -6,7 +6,10 @@
 
 The loop's selector is the only change: when no callback is ready it polls the real file
 descriptors without waiting, and when none is ready and a timer is due later, advances the clock
-by the wait instead of sleeping.
+by the wait instead of sleeping; unless work handed to a thread (``run_in_executor``,
+``asyncio.to_thread``) is still out: then it waits for real until that work posts back, so the
+clock does not run past every pending timeout meanwhile (a slow heap trim on removing an instance
+let a drill's stream timeouts fire).
 So everything written against asyncio (sleeps, timeouts, ``call_later``, the cluster monitor's
 period, the link's landing times, the replay's arrivals) runs unchanged on virtual time. Only a
 wait with no timer at all (the loop idles until another thread posts work) blocks for real.
@@ -38,6 +41,7 @@ class _JumpingSelector(selectors.BaseSelector):
     def __init__(self, clock: VirtualClock):
         self._real = selectors.DefaultSelector()
         self._clock = clock
+        self.threads_out = 0  # work handed to threads and not yet back (the loop counts it)
 
     def register(self, fileobj, events, data=None):
         return self._real.register(fileobj, events, data)
@@ -64,7 +68,7 @@ class _JumpingSelector(selectors.BaseSelector):
         ready = self._real.select(0)
         if ready:
             return ready
-        if timeout is None:  # no timer at all: only another thread can wake the loop
+        if timeout is None or self.threads_out:  # only another thread can wake the loop, or one will
             return self._real.select(None)
         self._clock.t += timeout
         return []
@@ -77,6 +81,17 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self.clock.t
+
+    def run_in_executor(self, executor, func, *args):
+        """The thread's work, counted out until it is back: the clock waits for it."""
+        fut = super().run_in_executor(executor, func, *args)
+        selector = self._selector
+        selector.threads_out += 1
+
+        def back(_):
+            selector.threads_out -= 1
+        fut.add_done_callback(back)
+        return fut
 
 
 def run_virtual(coro, clock: Optional[VirtualClock] = None):
