@@ -35,7 +35,6 @@ import hashlib
 import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -71,13 +70,16 @@ def cli(*args: str) -> list[str]:
 
 
 def proc_stat() -> dict:
-    """The aggregate cpu line of /proc/stat in seconds: busy (user..softirq), steal, total."""
+    """Every CPU's seconds so far from /proc/stat (aserve/profiles/rest.py reads it): busy
+    (user..softirq), steal, and all of them with idle."""
+    from aserve.profiles.rest import busy_seconds
+
     ticks = os.sysconf("SC_CLK_TCK")
     with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    steal = v[7] if len(v) > 7 else 0
-    return {"busy_s": sum(v[i] for i in (0, 1, 2, 5, 6)) / ticks, "steal_s": steal / ticks,
-            "total_s": sum(v[:8]) / ticks, "wall_s": time.time()}
+        text = f.read()
+    return {"busy_s": busy_seconds(text, ticks, fields=(0, 1, 2, 5, 6)),
+            "steal_s": busy_seconds(text, ticks, fields=(7,)),
+            "total_s": busy_seconds(text, ticks, fields=range(8)), "wall_s": time.time()}
 
 
 def sha256(path: Path) -> str:
@@ -171,22 +173,17 @@ def step_speed(profile, steps_path: Path, system: str) -> dict:
     """The decode-only steps' median measured / predicted against the frozen profile, whole run and
     per WINDOW_S (the lowest and highest window with at least 10 such steps)."""
     from aserve.engine.step_log import read_steps
-    from aserve.profiles.calibrate import predict, usable
+    from aserve.profiles.calibrate import speed, usable
 
     decodes = [s for s in usable(read_steps([steps_path], systems={system})) if s.kind == "decode"]
     if not decodes:
         return {"speed": None, "lo": None, "hi": None, "steps": 0}
-    ratio = [(s.t, s.seconds / predict(profile, s)) for s in decodes]
     windows: dict[int, list] = {}
-    for t, r in ratio:
-        windows.setdefault(int(t // WINDOW_S), []).append(r)
-    meds = [statistics.median(v) for v in windows.values() if len(v) >= 10]
-    return {"speed": statistics.median(r for _, r in ratio), "lo": min(meds) if meds else None,
+    for s in decodes:
+        windows.setdefault(int(s.t // WINDOW_S), []).append(s)
+    meds = [speed(profile, v, on="decode") for v in windows.values() if len(v) >= 10]
+    return {"speed": speed(profile, decodes, on="decode"), "lo": min(meds) if meds else None,
             "hi": max(meds) if meds else None, "steps": len(decodes)}
-
-
-def attainment(report: dict) -> float:
-    return report.get("slo_attainment")
 
 
 def rows_of(out: Path, w: str, profile) -> list[dict]:
@@ -205,7 +202,7 @@ def rows_of(out: Path, w: str, profile) -> list[dict]:
                           "limit": limit})
         speed = step_speed(profile, out / f"{w}_steps.jsonl", name)
         rows.append({"workload": w, "system": name, "rate": meta["rate"], "cells": cells,
-                     "attainment": [attainment(real[name]), attainment(sim[name])],
+                     "attainment": [real[name].get("slo_attainment"), sim[name].get("slo_attainment")],
                      "step_speed": speed, "steal": meta["steal_fraction"]})
     return rows
 

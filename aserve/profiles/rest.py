@@ -36,17 +36,19 @@ class CpuSample:
     own_s: float
 
 
-def busy_seconds(stat_text: str, ticks_per_s: float, cpus: Optional[set[int]] = None) -> float:
+def busy_seconds(stat_text: str, ticks_per_s: float, cpus: Optional[set[int]] = None,
+                 fields=BUSY_FIELDS) -> float:
     """The busy seconds so far of ``cpus`` (None: every CPU, ``/proc/stat``'s aggregate ``cpu``
     line; a container sees its host's CPUs there, so ``sample`` passes the ones this process may
-    run on). Guest time is already inside user time; idle and iowait are not busy."""
+    run on). Guest time is already inside user time; idle and iowait are not busy. ``fields``:
+    other columns of the line summed instead (steal alone: ``(7,)``)."""
     names = {"cpu"} if cpus is None else {f"cpu{i}" for i in cpus}
     total, found = 0, False
     for line in stat_text.splitlines():
         parts = line.split()
         if parts and parts[0] in names:
             values = [int(x) for x in parts[1:]]
-            total += sum(values[i] for i in BUSY_FIELDS if i < len(values))
+            total += sum(values[i] for i in fields if i < len(values))
             found = True
     if not found:
         raise ValueError(f"no line for {'the aggregate cpu' if cpus is None else sorted(cpus)} in /proc/stat")
