@@ -72,6 +72,8 @@ class EngineConfig:
 
 MODES = ("disagg", "coupled", "adaptive")
 DEVICE_BACKENDS = ("local", "ray")  # where instances run (ClusterConfig.backend)
+RAY_KV_TRANSPORTS = ("direct", "object-store")  # how KV goes between Ray actors (aserve/devices/kv_wire.py)
+RAY_PLACEMENTS = ("auto", "pools", "spread", "pack")  # aserve/devices/ray_placement.py
 TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
 PREDICTOR_FEATURES = ("auto", "prefill", "prompt")
 
@@ -164,6 +166,8 @@ class ClusterConfig:
     # local Ray sized to this machine) | ray:ADDRESS (on the running Ray cluster at ADDRESS, or auto)
     backend: str = "local"
     actor_start_timeout_s: float = 300.0  # ray: an actor not up (model loaded) by then fails its instance
+    ray_kv: str = "direct"  # ray: KV between actors directly over a socket, or object-store (aserve/devices/kv_wire.py)
+    ray_placement: str = "auto"  # ray: auto | pools | spread | pack (aserve/devices/ray_placement.py)
     seed: int = 0
 
     def __post_init__(self):
@@ -222,6 +226,10 @@ class ClusterConfig:
                              "backend ray every instance is a process of its own: use device_share 'shared'")
         if not self.actor_start_timeout_s > 0:
             raise ValueError(f"actor_start_timeout_s must be > 0, got {self.actor_start_timeout_s}")
+        if self.ray_kv not in RAY_KV_TRANSPORTS:
+            raise ValueError(f"bad ray_kv {self.ray_kv!r}: {' or '.join(RAY_KV_TRANSPORTS)}")
+        if self.ray_placement not in RAY_PLACEMENTS:
+            raise ValueError(f"bad ray_placement {self.ray_placement!r}: choose one of {', '.join(RAY_PLACEMENTS)}")
 
     @property
     def split(self) -> bool:

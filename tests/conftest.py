@@ -77,12 +77,17 @@ def local_ray():
     """One local Ray for the whole test session: two CPUs and a small object store, as the Ray
     tests are sized for. Clusters with ``backend="ray"`` find it connected and leave it up."""
     ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
+    init_local_ray(ray)
+    yield ray
+    ray.shutdown()
+
+
+def init_local_ray(ray) -> None:
+    """The session's local Ray (tests that run a Ray cluster of their own start it again after)."""
     import logging
 
     ray.init(num_cpus=2, object_store_memory=128 * 2**20, include_dashboard=False,
              logging_level=logging.WARNING)
-    yield ray
-    ray.shutdown()
 
 
 if __name__ == "__main__":  # make test-unit collects only these files (collecting all costs ~15 s)

@@ -1,7 +1,8 @@
 """The cluster with one Ray actor per instance (``backend="ray"``), on the session's local Ray
 (two CPUs, a small object store), the real default model in fp32 so greedy outputs compare
-exactly: the same tokens as in-process for coupled and disagg, KV moved through the object
-store with both its real and its emulated time on record, and an actor killed mid-run — every
+exactly: the same tokens as in-process for coupled and disagg, KV moved actor to actor (the
+direct wire, and the object store when asked) with both its real and its emulated time on
+record, and an actor killed mid-run — every
 request completes (re-run elsewhere) with the fault-free output, no block and no pinned export
 is left, and the recovery time is on record."""
 import asyncio
@@ -51,15 +52,19 @@ def test_same_greedy_output_as_in_process(local_ray, default_bundle_fp32, offlin
             await settled_on_ray(cl, list(cl.instances))
             links = [link.stats() for link in cl.handoff.links.values()]
             steps = sum(i.device.num_steps for i in cl.instances.values())
-            return [r.output_token_ids for r in reqs], links, steps
+            sent = cl.instances["p0"].device.kv_sent if "p0" in cl.instances else None
+            return [r.output_token_ids for r in reqs], links, steps, sent
 
-    got, links, steps = asyncio.run(run(ClusterConfig(mode="coupled", num_coupled=2, backend="ray")))
+    got, links, steps, _ = asyncio.run(run(ClusterConfig(mode="coupled", num_coupled=2, backend="ray")))
     assert got == want and not links and steps > 0
-    got, links, _ = asyncio.run(run(ClusterConfig(mode="disagg", chunk_size=64, backend="ray")))
-    assert got == want
-    (stats,) = links  # p0 -> d1: every prompt's KV went through the object store
-    assert stats["num_done"] == len(ids) and stats["bytes"] > 0
-    assert 0 < stats["real_copy_s"] <= stats["emulated_s"]  # the emulated time never hides the real one
+    for transport in ("direct", "object-store"):
+        got, links, _, sent = asyncio.run(run(ClusterConfig(mode="disagg", chunk_size=64, backend="ray",
+                                                            ray_kv=transport)))
+        assert got == want
+        assert sent == {"direct": 0, "object-store": 0, transport: len(ids)}  # every prompt's KV went that way
+        (stats,) = links  # p0 -> d1
+        assert stats["num_done"] == len(ids) and stats["bytes"] > 0
+        assert 0 < stats["real_copy_s"] <= stats["emulated_s"]  # the emulated time never hides the real one
 
 
 @pytest.mark.long

@@ -2,7 +2,10 @@
 random model) moves the right bytes through export / import / confirm and unpins an export nobody
 confirms when its lease runs out; ``--cluster`` parses into ``ClusterConfig.backend``."""
 import asyncio
+import time
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 import torch
@@ -22,11 +25,12 @@ def bundle():
     return ModelBundle(Path("tiny"), model.args, model, None, torch.float32, "cpu")
 
 
-def host(bundle, name: str, clock=None, lease_s: float = 5.0) -> DeviceHost:
+def host(bundle, name: str, clock=None, lease_s: float = 5.0, token=None) -> DeviceHost:
     async def get(ref):
         return ref
 
-    return DeviceHost(name, ENGINE, 1, lease_s, bundle=bundle, put=lambda value: value, get=get, clock=clock)
+    return DeviceHost(name, ENGINE, 1, lease_s, bundle=bundle, put=lambda value: value.copy(), get=get, clock=clock,
+                      wire_token=token, wire_host="127.0.0.1")
 
 
 def test_export_import_confirm_moves_the_blocks(bundle):
@@ -46,7 +50,8 @@ def test_export_import_confirm_moves_the_blocks(bundle):
     assert asyncio.run(run()) == 3 * block_bytes
     assert torch.equal(dst_pool[:, :, [7, 1, 2]], src_pool[:, :, [3, 5, 4]])
     assert not dst_pool[:, :, [0, 3, 4, 5, 6]].any()  # nothing else written
-    assert a.held() == {"exports": {}, "exported": 1, "confirmed": 1, "expired": 0, "imported": 0}
+    assert a.held() == {"exports": {}, "exported": 1, "confirmed": 1, "expired": 0, "imported": 0, "pushed": 0,
+                        "received": 0}
     assert b.held()["imported"] == 1
 
 
@@ -85,6 +90,82 @@ def test_import_of_the_wrong_size_is_refused(bundle):
         DeviceHost("x", ENGINE, 1, 0.0)
 
 
+def test_push_moves_the_blocks_straight_into_the_other_pool(bundle):
+    """The direct transport: p0 streams three blocks to d1's wire server, which has them in its
+    pool when the push returns; nothing is pinned on either side. Twice over one connection."""
+    a, b = host(bundle, "p0", token="t0k"), host(bundle, "d1", token="t0k")
+    a.device.kv.pool.copy_(torch.randn(a.device.kv.pool.shape))
+    src_pool, dst_pool, block_bytes = a.device.kv.pool, b.device.kv.pool, b.device.kv.block_bytes
+
+    async def run():
+        sent = await a.push_kv("r", [3, 5, 4], b.wire.address, [7, 1, 2])
+        sent += await a.push_kv("s", [0], b.wire.address, [6])
+        assert a.held()["exports"] == {} and b.held()["exports"] == {}
+        counts = (a.held()["pushed"], b.held()["received"], b.wire.counts["received"])
+        await a.close()
+        await b.close()
+        return sent, counts
+
+    sent, counts = asyncio.run(run())
+    assert sent == 4 * block_bytes and counts == (2, 2, 2)
+    assert torch.equal(dst_pool[:, :, [7, 1, 2, 6]], src_pool[:, :, [3, 5, 4, 0]])
+    assert not dst_pool[:, :, [0, 3, 4, 5]].any()  # nothing else written
+
+
+def test_push_is_refused_with_a_readable_error_and_writes_nothing(bundle):
+    """A wrong size, a block outside the pool, a stranger without the cluster's token: each push
+    raises WireError naming why, and the receiver's pool is untouched."""
+    from aserve.devices.kv_wire import KVWireSender, WireError
+
+    a, b = host(bundle, "p0", token="t0k"), host(bundle, "d1", token="t0k")
+    a.device.kv.pool.fill_(1.0)
+    n, pool = b.device.num_blocks, b.device.kv.pool
+
+    async def run():
+        with pytest.raises(WireError, match=rf"blocks \[{n}\] are outside this pool of {n}"):
+            await a.push_kv("r", [0], b.wire.address, [n])
+        with pytest.raises(WireError, match="bytes pushed for 1 blocks"):
+            await a.push_kv("r", [0, 1], b.wire.address, [0])
+        stranger = KVWireSender("guess")
+        data = np.ones(b.device.kv.block_bytes, dtype=np.uint8)
+        with pytest.raises(WireError, match="did not present the cluster's token"):
+            await asyncio.to_thread(stranger.push, b.wire.address, "x", [0], data)
+        stranger.close()
+        await a.push_kv("ok", [0], b.wire.address, [1])  # the receiver serves on after refusals
+        refused = b.wire.counts["refused"]
+        await a.close()
+        await b.close()
+        return refused
+
+    assert asyncio.run(run()) == 3
+    assert pool[:, :, 1].eq(1.0).all() and not pool[:, :, [0] + list(range(2, n))].any()
+    with pytest.raises(RuntimeError, match="without a KV wire"):
+        asyncio.run(host(bundle, "x").push_kv("r", [0], ("127.0.0.1", 1), [0]))
+
+
+def test_a_push_cut_short_writes_nothing(bundle):
+    """A sender that dies mid-payload: the receiver drops the partial bytes and serves on."""
+    import json
+    import socket
+
+    from aserve.devices.kv_wire import LENGTH
+
+    b = host(bundle, "d1", token="t0k")
+    nbytes, pool = 2 * b.device.kv.block_bytes, b.device.kv.pool
+    with socket.create_connection(b.wire.address) as s:
+        head = json.dumps({"token": "t0k", "request": "cut", "blocks": [0, 1], "nbytes": nbytes}).encode()
+        s.sendall(LENGTH.pack(len(head)) + head)
+        s.recv(64)  # the go-ahead
+        s.sendall(b"\x01" * (nbytes // 2))
+    for _ in range(200):
+        if b.wire.counts["broken"]:
+            break
+        time.sleep(0.01)
+    assert b.wire.counts == {"received": 0, "refused": 0, "broken": 1}
+    assert not pool.any()
+    asyncio.run(b.close())
+
+
 def test_cluster_flag_and_backend_checks():
     from aserve.commands import build_parser
     from aserve.commands.common import cluster_config
@@ -99,6 +180,14 @@ def test_cluster_flag_and_backend_checks():
             ClusterConfig(backend=bad)
     with pytest.raises(ValueError, match="device_share 'dedicated'"):
         ClusterConfig(backend="ray", device_share="dedicated")
+    a = build_parser().parse_args(["replay", "t.jsonl", "--cluster", "ray", "--ray-kv", "object-store",
+                                   "--ray-placement", "pools"])
+    assert (cluster_config(a).ray_kv, cluster_config(a).ray_placement) == ("object-store", "pools")
+    assert (ClusterConfig().ray_kv, ClusterConfig().ray_placement) == ("direct", "auto")
+    with pytest.raises(ValueError, match="bad ray_kv 'nccl': direct or object-store"):
+        ClusterConfig(backend="ray", ray_kv="nccl")
+    with pytest.raises(ValueError, match="bad ray_placement 'strict': choose one of auto, pools, spread, pack"):
+        ClusterConfig(backend="ray", ray_placement="strict")
     with pytest.raises(ValueError, match="give --mode disagg, coupled or adaptive"):
         a = build_parser().parse_args(["generate", "hi", "--cluster", "ray"])
         a.func(a)

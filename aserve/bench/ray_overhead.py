@@ -10,8 +10,10 @@ alternating between the kinds so both see the same machine minutes:
   beyond the actor's own busy time);
 - **KV hand-over throughput**: ``send_kv`` of n blocks from device a to device b over a link so
   fast its emulated time is nil, so the record's real copy time is the transfer alone: in-process
-  one ``index_select``/``index_copy_`` on the copy thread, through Ray an export into the object
-  store, a fetch and a copy into the other actor's pool. Real bytes per second, median of rounds.
+  one ``index_select``/``index_copy_`` on the copy thread; between the Ray actors both ways, in
+  the same rounds: directly (the default: the sender streams the gathered blocks over a socket
+  into the receiver's pool, aserve/devices/kv_wire.py) and through the object store (an export,
+  a fetch and a copy into the other actor's pool). Real bytes per second, median of rounds.
 
 The pools hold zeros: a step's cost does not depend on the values.
 """
@@ -67,25 +69,42 @@ async def _time_send(src: Device, dst: Device, n: int, link: KVLink) -> float:
     return record.real_copy_s
 
 
+def _copy_ways(kind: str) -> list[str]:
+    """How KV goes between two devices of ``kind``: a Ray device both ways, direct first."""
+    if kind != "ray":
+        return [kind]
+    return [f"ray {t}" for t in ("direct", "object-store")]
+
+
 async def measure(make: dict[str, Callable[[str], Device]], step_plans: dict[str, StepPlan],
                   kv_blocks: Sequence[int], block_bytes: int, rounds: int, reps: int) -> dict:
     """Per kind: every plan's step times and every size's real copy times, rounds alternating."""
     devices = {kind: (mk(f"{kind}-a"), mk(f"{kind}-b")) for kind, mk in make.items()}
     await asyncio.gather(*(d.ready() for pair in devices.values() for d in pair))
-    links = {kind: KVLink(NIL_LINK, MonotonicClock()) for kind in make}
+    ways = {kind: _copy_ways(kind) for kind in devices}
+    links = {way: KVLink(NIL_LINK, MonotonicClock()) for w in ways.values() for way in w}
     steps = {kind: {name: [] for name in step_plans} for kind in make}
-    copies = {kind: {n: [] for n in kv_blocks} for kind in make}
+    copies = {way: {n: [] for n in kv_blocks} for w in ways.values() for way in w}
+
+    async def send(kind: str, way: str, n: int) -> float:
+        a, b = devices[kind]
+        if kind == "ray":
+            a.kv_transport = way.removeprefix("ray ")
+        return await _time_send(a, b, n, links[way])
+
     try:
         for kind, (a, b) in devices.items():  # warm-up: first steps and copies pay one-off costs
             for plan in step_plans.values():
                 await _time_steps(a, plan, 2)
-            await _time_send(a, b, kv_blocks[0], links[kind])
+            for way in ways[kind]:
+                await send(kind, way, kv_blocks[0])
         for _ in range(rounds):
             for kind, (a, b) in devices.items():
                 for name, plan in step_plans.items():
                     steps[kind][name] += await _time_steps(a, plan, reps)
                 for n in kv_blocks:
-                    copies[kind][n].append(await _time_send(a, b, n, links[kind]))
+                    for way in ways[kind]:
+                        copies[way][n].append(await send(kind, way, n))
         extra = {kind: getattr(a, "overhead_s", 0.0) / max(1, getattr(a, "num_steps", 0))
                  for kind, (a, _) in devices.items()}
     finally:
@@ -136,8 +155,9 @@ def _print(r: dict, console: Console) -> None:
     console.print(t)
     console.print(f"ray round trip beyond the actor's busy time: {r['round_trip_beyond_busy_s']['ray'] * 1e3:.2f} ms a step")
     k = Table(title=f"KV hand-over, real copy (blocks of {r['block_bytes']:,d} bytes)")
-    for col in ("blocks", "bytes", "in-process GB/s", "ray GB/s"):
+    ways = list(r["kv_bytes_per_s"])
+    for col in ("blocks", "bytes", *(f"{w} GB/s" for w in ways)):
         k.add_column(col, justify="right")
-    for n, local_bps in r["kv_bytes_per_s"]["in-process"].items():
-        k.add_row(str(n), f"{n * r['block_bytes']:,d}", f"{local_bps / 1e9:.2f}", f"{r['kv_bytes_per_s']['ray'][n] / 1e9:.2f}")
+    for n in r["kv_bytes_per_s"]["in-process"]:
+        k.add_row(str(n), f"{n * r['block_bytes']:,d}", *(f"{r['kv_bytes_per_s'][w][n] / 1e9:.2f}" for w in ways))
     console.print(k)

@@ -104,7 +104,7 @@ class Cluster:
         # loading (or fitting, the first time) a predictor takes seconds: off the loop
         await asyncio.to_thread(self.predictor.load, self.bundle.tokenizer.decode, (self.engine.model, self.bundle.path),
                                 self._prediction_gate() == "handoff")
-        self.devices.start(self.bundle)
+        self.devices.start(self.bundle, self._roles())
         self.lifecycle.start(self._roles())
         try:  # remote devices: every actor up with its model loaded before the first request
             await asyncio.gather(*(inst.device.ready() for inst in self.instances.values()))
@@ -177,7 +177,7 @@ class Cluster:
                      device: Optional[Device] = None) -> Instance:
         """An instance over a fresh device (its own KV pool, the shared weights; ``device`` when
         it was built already, by ``build_device``), started."""
-        device = device or self.devices.make(instance_id, num_threads, self.core_share, len(self._roles()),
+        device = device or self.devices.make(instance_id, role, num_threads, self.core_share, len(self._roles()),
                                              self._num_live())
         inst = Instance(instance_id, role, device, self.policies, self.stops, self.clock, self)
         inst.step_log = self.step_log
@@ -187,9 +187,9 @@ class Cluster:
         inst.start()
         return inst
 
-    async def build_device(self, instance_id: str, num_threads: int) -> Device:
-        """A device for an instance added while the cluster serves (``DeviceFactory.build``)."""
-        return await self.devices.build(instance_id, num_threads, self.core_share, len(self._roles()),
+    async def build_device(self, instance_id: str, role: str, num_threads: int) -> Device:
+        """A device for an instance of ``role`` added while the cluster serves (``DeviceFactory.build``)."""
+        return await self.devices.build(instance_id, role, num_threads, self.core_share, len(self._roles()),
                                         self._num_live())
 
     def log_steps(self, log) -> None:

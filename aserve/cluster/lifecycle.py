@@ -98,7 +98,7 @@ class ControlPlane(Protocol):
     def new_instance(self, instance_id: str, role: str, num_threads: int,
                      device: Optional[Device] = None) -> Instance: ...
 
-    async def build_device(self, instance_id: str, num_threads: int) -> Device: ...
+    async def build_device(self, instance_id: str, role: str, num_threads: int) -> Device: ...
 
     def threads_per_instance(self, num_instances: int) -> int: ...
 
@@ -279,7 +279,7 @@ class Lifecycle:
         threads, iid = self.plane.threads_per_instance(live + 1), self._new_id(role)
         self._adding += 1
         try:
-            device = await self.plane.build_device(iid, threads)
+            device = await self.plane.build_device(iid, role, threads)
         finally:
             self._adding -= 1
         inst = self.plane.new_instance(iid, role, threads, device)

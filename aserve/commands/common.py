@@ -195,6 +195,12 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                         "sized to this machine) | ray:ADDRESS (join the Ray cluster at ADDRESS, or ray:auto; docs/RAY.md)")
     g.add_argument("--actor-start-timeout", type=float, default=300.0,
                    help="--cluster ray: seconds an instance's actor may take to start and load the model")
+    g.add_argument("--ray-kv", default="direct", metavar="direct|object-store",
+                   help="--cluster ray: KV hand-overs go actor to actor over a socket of their own (direct), "
+                        "or through Ray's object store (docs/RAY.md)")
+    g.add_argument("--ray-placement", default="auto", metavar="auto|pools|spread|pack",
+                   help="--cluster ray: auto (Ray's scheduler) | pools (a placement group per role, PACK) | "
+                        "spread | pack (one group over every instance); hosts marked aserve_ROLE take that role")
     g.add_argument("--device-share", default="shared",
                    help="shared: instances share the CPU's cores | dedicated: emulate one device per instance "
                         "(cores/N of a core each, an idle instance's share is lost), as on GPUs")
@@ -284,7 +290,8 @@ def cluster_config(a: argparse.Namespace):
                          transfer_timeout_s=a.transfer_timeout,
                          transfer_retries=a.transfer_retries, on_transfer_failure=a.on_transfer_failure,
                          lease_s=a.lease, device_share=a.device_share, backend=a.backend,
-                         actor_start_timeout_s=a.actor_start_timeout, seed=a.seed)
+                         actor_start_timeout_s=a.actor_start_timeout, ray_kv=a.ray_kv,
+                         ray_placement=a.ray_placement, seed=a.seed)
 
 
 def engine_config(a: argparse.Namespace, context: Optional[int] = None, derive: bool = True, slo=None):

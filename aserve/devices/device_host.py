@@ -10,6 +10,11 @@
                                    them into B's pool, then tell A: A.release(rid) = confirmed
       no confirmation within the lease (B died, the driver gave up): A's sweeper drops the pin
 
+    or directly (the default, aserve/devices/kv_wire.py): A.push_kv(rid, blocks, B's wire
+    address, B's blocks) gathers the blocks and streams them to B's wire server, which writes
+    them into B's pool on B's copy thread and acknowledges; nothing is put in the object store
+    and nothing is pinned, so there is no lease to run out
+
 The class is plain Python: ``RayDevice`` wraps it with ``ray.remote`` as an asyncio actor, so a
 step, an export and an import interleave at their awaits (the forward on the device's step
 thread, the copies on its copy thread, as in one process); tests drive it without Ray. Blocks
@@ -29,6 +34,7 @@ import torch
 
 from aserve.config import EngineConfig
 from aserve.engine.bundle import ModelBundle
+from aserve.devices import kv_wire
 from aserve.devices.torch_device import TorchDevice
 from scheduling.clock import Clock, MonotonicClock
 from scheduling.step import StepOutput, StepPlan
@@ -45,12 +51,6 @@ class Export:
     deadline: float
 
 
-def _as_bytes(blocks: torch.Tensor) -> np.ndarray:
-    """A contiguous block tensor as flat uint8 numpy: the object store keeps numpy without
-    pickling it and hands it back zero-copy (bf16 has no numpy type, bytes do)."""
-    return blocks.contiguous().view(torch.uint8).reshape(-1).numpy()
-
-
 def _from_bytes(data: np.ndarray, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     """The inverse view, no copy. The object store's buffer is read-only; we only read it."""
     with warnings.catch_warnings():
@@ -61,11 +61,14 @@ def _from_bytes(data: np.ndarray, dtype: torch.dtype, shape: Sequence[int]) -> t
 
 class DeviceHost:
     """One instance's device in its own process. ``put`` stores an object and returns its
-    reference (``ray.put`` in an actor); ``get`` awaits one (awaiting a Ray ``ObjectRef``)."""
+    reference, keeping a copy (``ray.put`` in an actor); ``get`` awaits one (awaiting a Ray ``ObjectRef``)."""
 
     def __init__(self, name: str, engine: EngineConfig, num_threads: int, lease_s: float,
                  bundle: Optional[ModelBundle] = None, put: Optional[Callable[[Any], Any]] = None,
-                 get: Optional[Callable[[Any], Any]] = None, clock: Optional[Clock] = None):
+                 get: Optional[Callable[[Any], Any]] = None, clock: Optional[Clock] = None,
+                 wire_token: Optional[str] = None, wire_host: Optional[str] = None):
+        """``wire_token``: the cluster's secret for direct KV pushes (None: no wire server, the
+        object store only); the server listens on ``wire_host`` (default: this node's address)."""
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.name, self.lease_s = name, lease_s
@@ -73,15 +76,24 @@ class DeviceHost:
         self.clock = clock or MonotonicClock()
         self._put, self._get = put or _ray_put, get or _await
         self.exports: dict[str, Export] = {}
-        self.counts = {"exported": 0, "confirmed": 0, "expired": 0, "imported": 0}
+        self.counts = {"exported": 0, "confirmed": 0, "expired": 0, "imported": 0, "pushed": 0, "received": 0}
         self._sweeper: Optional[asyncio.Task] = None
+        self.wire: Optional[kv_wire.KVWireServer] = None
+        self._sender: Optional[kv_wire.KVWireSender] = None
+        if wire_token is not None:
+            host = wire_host or _node_address()
+            self.wire = kv_wire.KVWireServer("127.0.0.1" if host == "local" else host, wire_token,
+                                             self._check_incoming, self._write_incoming)
+            self._sender = kv_wire.KVWireSender(wire_token)
+        self._staging = kv_wire.Staging()  # the gathered blocks of pushes, buffers reused
 
     def info(self) -> dict:
         """What the driver checks once the actor is up: the pool it promised, where it runs."""
         pool = self.device.kv.pool
         return {"num_blocks": self.device.num_blocks, "block_size": self.device.block_size,
                 "pool_shape": tuple(pool.shape), "dtype": pool.dtype, "device": self.device.kind,
-                "node": _node_address(), "pid": os.getpid()}
+                "node": _node_address(), "node_id": _node_id(), "pid": os.getpid(),
+                "wire": self.wire.address if self.wire is not None else None}
 
     async def execute(self, plan: StepPlan) -> tuple[StepOutput, float]:
         """One step; the CPU seconds it took ride along (the driver's device keeps the sum)."""
@@ -103,8 +115,11 @@ class DeviceHost:
         ids = list(block_ids)
 
         def gather() -> tuple[Any, int]:
-            data = _as_bytes(self.device.kv.blocks_to(ids, "cpu"))
-            return self._put(data), data.nbytes
+            data = self._gather(ids)
+            try:
+                return self._put(data), data.nbytes  # the store keeps a copy: the buffer is free again
+            finally:
+                self._staging.give(data)
 
         ref, nbytes = await asyncio.get_running_loop().run_in_executor(self.device.copier(), gather)
         self.exports[request_id] = Export(ref, nbytes, self.clock.now() + self.lease_s)
@@ -129,6 +144,53 @@ class DeviceHost:
         if sender is not None:
             _confirm(sender, request_id)
         return want
+
+    async def push_kv(self, request_id: str, block_ids: Sequence[int], address: Sequence,
+                      dst_block_ids: Sequence[int]) -> int:
+        """Send this pool's ``block_ids`` straight to the wire server at ``address`` (another
+        actor's), into its ``dst_block_ids``; returns once that actor has them in its pool (the
+        bytes sent), raises ``kv_wire.WireError`` if they did not land."""
+        if self._sender is None:
+            raise RuntimeError(f"instance {self.name} was started without a KV wire (object store only)")
+        ids = list(block_ids)
+        data = await asyncio.get_running_loop().run_in_executor(self.device.copier(), self._gather, ids)
+        try:
+            sent = await asyncio.to_thread(self._sender.push, address, request_id, list(dst_block_ids), data)
+        finally:
+            self._staging.give(data)
+        self.counts["pushed"] += 1
+        return sent
+
+    def _gather(self, ids: list[int]) -> np.ndarray:
+        """The blocks, in ``blocks_to``'s byte order ([L, 2, n, block, H, D]), into a reused buffer."""
+        pool = self.device.kv.pool
+        flat = pool.view(pool.shape[0] * pool.shape[1], pool.shape[2], -1)  # a block's slab is contiguous
+        data = self._staging.take(len(ids) * self.device.kv.block_bytes)
+        out = torch.from_numpy(data).view(pool.dtype).view(flat.shape[0], len(ids), flat.shape[2])
+        torch.index_select(flat, 1, torch.tensor(ids, dtype=torch.long), out=out)
+        return data
+
+    def _check_incoming(self, request_id: str, block_ids: list[int], nbytes: int) -> Optional[str]:
+        """The wire server's check of a push's header, before any byte of it is read."""
+        n = self.device.num_blocks
+        bad = [i for i in block_ids if not 0 <= i < n]
+        if bad:
+            return f"request {request_id!r}: blocks {bad[:4]} are outside this pool of {n}"
+        if len(set(block_ids)) != len(block_ids):
+            return f"request {request_id!r}: a block appears twice in {block_ids}"
+        want = len(block_ids) * self.device.kv.block_bytes
+        if nbytes != want:
+            return (f"request {request_id!r}: {nbytes} bytes pushed for {len(block_ids)} blocks "
+                    f"of {self.device.kv.block_bytes} bytes here")
+        return None
+
+    def _write_incoming(self, request_id: str, block_ids: list[int], data: np.ndarray) -> None:
+        """On a wire connection's thread: the payload into the pool, on the device's copy thread
+        (as every other copy into this pool)."""
+        pool = self.device.kv.pool
+        blocks = _from_bytes(data, pool.dtype, (*pool.shape[:2], len(block_ids), *pool.shape[3:]))
+        self.device.copier().submit(self.device.kv.blocks_from, block_ids, blocks).result()
+        self.counts["received"] += 1
 
     def release(self, request_id: str) -> bool:
         """The receiver has the blocks (or the driver gave up on the transfer): unpin them."""
@@ -157,6 +219,9 @@ class DeviceHost:
     async def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self.wire is not None:
+            self.wire.close()
+            self._sender.close()
         self.exports.clear()
         await self.device.close()
 
@@ -188,6 +253,15 @@ def _confirm(sender, request_id: str) -> None:
         sender.release(request_id)
     else:
         sender.release.remote(request_id)
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside Ray (tests)
+        return "local"
 
 
 def _node_address() -> str:

@@ -136,21 +136,32 @@ class DeviceFactory:
         self.bundle: Optional[ModelBundle] = None
         self._ray_cpus: Optional[int] = None  # the Ray cluster's CPUs, once connected (backend ray)
         self._owns_ray = False  # this factory connected to Ray, and disconnects at close
+        self._placement = None  # backend ray: the placement groups and role marks (ray_placement.Placement)
 
     @property
     def local(self) -> bool:
         return self.cfg.backend == "local"
 
-    def start(self, bundle: ModelBundle) -> None:
-        """Before the first device: the model every local device shares, and Ray's connection."""
+    def start(self, bundle: ModelBundle, roles: list[str]) -> None:
+        """Before the first device: the model every local device shares; for Ray, the connection
+        and the placement of the ``roles`` the cluster starts with."""
         self.bundle = bundle
         if not self.local:
             from aserve.devices import ray_runtime
+            from aserve.devices.ray_placement import Placement
 
             self._owns_ray = ray_runtime.connect(self.cfg.ray_address)
             self._ray_cpus = ray_runtime.total_cpus()
+            gpus = 0 if self.engine.device == "cpu" else 1
+            self._placement = Placement(self.cfg.ray_placement, roles, self._cpus_each(len(roles), 0), gpus)
+
+    def _cpus_each(self, planned: int, live: int) -> float:
+        return self.cores() / max(planned, live + 1)
 
     def close(self) -> None:
+        if self._placement is not None:
+            self._placement.close()
+            self._placement = None
         if self._owns_ray:
             from aserve.devices import ray_runtime
 
@@ -162,22 +173,23 @@ class DeviceFactory:
         machine's, or the Ray cluster's once connected)."""
         return self.engine.num_threads or self._ray_cpus or os.cpu_count() or 1
 
-    def make(self, instance_id: str, num_threads: int, share: CoreShare, planned: int, live: int) -> Device:
-        """The device of one instance. ``planned``: instances the cluster starts with; ``live``:
-        those neither failed nor removed now (a Ray actor's CPU share is of the larger)."""
+    def make(self, instance_id: str, role: str, num_threads: int, share: CoreShare, planned: int, live: int) -> Device:
+        """The device of one instance of ``role``. ``planned``: instances the cluster starts with;
+        ``live``: those neither failed nor removed now (a Ray actor's CPU share is of the larger)."""
         if self.local:
             return make_device(instance_id, self.bundle, self.engine, num_threads, share)
         from aserve.devices.ray_device import RayDevice
 
-        num_cpus = self.cores() / max(planned, live + 1)
-        return RayDevice(instance_id, self.engine, self.bundle, num_threads, num_cpus, self.cfg.lease_s,
-                         self.cfg.actor_start_timeout_s)
+        return RayDevice(instance_id, self.engine, self.bundle, num_threads, self._cpus_each(planned, live),
+                         self.cfg.lease_s, self.cfg.actor_start_timeout_s, self.cfg.ray_kv,
+                         self._placement.options(role), self._placement.describe(role))
 
-    async def build(self, instance_id: str, num_threads: int, share: CoreShare, planned: int, live: int) -> Device:
+    async def build(self, instance_id: str, role: str, num_threads: int, share: CoreShare, planned: int,
+                    live: int) -> Device:
         """``make`` for an instance added while the cluster serves: a device of this process is
         built on a worker thread (its KV pool is gigabytes of zeros; on CUDA its graphs are
         captured), so no stream waits for it; a simulated one is cheap and lives on virtual time,
         a Ray actor starts on its own."""
         if not self.local or is_sim(self.engine):
-            return self.make(instance_id, num_threads, share, planned, live)
-        return await asyncio.to_thread(self.make, instance_id, num_threads, share, planned, live)
+            return self.make(instance_id, role, num_threads, share, planned, live)
+        return await asyncio.to_thread(self.make, instance_id, role, num_threads, share, planned, live)

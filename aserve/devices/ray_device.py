@@ -5,8 +5,10 @@
               out = await RayDevice.execute(plan) ──plan──► DeviceHost.execute: TorchDevice step
                                                   ◄─(StepOutput, CPU s)─ (tokens of the whole step)
               events = scheduler.update(plan, out)
-    Handoff:  src.send_kv(..., dst, link) ── A.export_kv ─► object store ─► B.import_kv ─► A.release
-              link.carry: the emulated link time around the real (Ray) transfer time
+    Handoff:  src.send_kv(..., dst, link) ── A.push_kv ─► bytes over A's socket to B's wire server
+              (direct, the default)           ◄─ answered once B has them in its pool
+              or, --ray-kv object-store:      ── A.export_kv ─► object store ─► B.import_kv ─► A.release
+              link.carry: the emulated link time around the real transfer time
 
 Why the loop stays here: the schedulers, the request table, dispatch, the predictor and flips
 read and write each instance's blocks and queues every step, on one thread (the thread rule);
@@ -22,6 +24,7 @@ the instance goes through the failed-instance path (aserve/cluster/lifecycle.py)
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -30,7 +33,7 @@ import ray
 import torch
 from ray.exceptions import RayError
 
-from aserve.config import EngineConfig
+from aserve.config import RAY_KV_TRANSPORTS as KV_TRANSPORTS, EngineConfig
 from aserve.engine.bundle import ModelBundle
 from aserve.devices.device import Device, DeviceFault
 from aserve.devices.device_host import DeviceHost
@@ -41,6 +44,9 @@ from scheduling.step import StepOutput, StepPlan
 RemoteHost = ray.remote(DeviceHost)  # an asyncio actor: its methods are coroutines
 CODE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding aserve/, model/, ...
 CLOSE_WAIT_S = 30.0  # how long close waits for a live actor's step in flight
+
+# the secret every actor this driver starts presents to the others' KV wire servers (never logged)
+WIRE_TOKEN = secrets.token_hex(16)
 
 
 def actor_options(engine: EngineConfig, num_cpus: float) -> dict:
@@ -57,8 +63,15 @@ class RayDevice(Device):
     size and block layout); the actor loads the weights itself, on its own host."""
 
     def __init__(self, name: str, engine: EngineConfig, bundle: ModelBundle, num_threads: int, num_cpus: float,
-                 lease_s: float, start_timeout_s: float):
+                 lease_s: float, start_timeout_s: float, kv_transport: str = "direct",
+                 scheduling: Optional[dict] = None, placement: str = ""):
+        """``kv_transport``: direct (actor to actor over a socket of their own, which only this
+        driver's actors may write to: ``WIRE_TOKEN``) or object-store. ``scheduling``: extra Ray
+        options for the actor (its placement group's bundle, its hosts' mark: ray_placement.py),
+        which ``placement`` says in words."""
         super().__init__()
+        if kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"bad KV transport {kv_transport!r}: {' or '.join(KV_TRANSPORTS)}")
         self.name, self.cfg, self.start_timeout_s = name, engine, start_timeout_s
         self.block_size = engine.block_size
         self.num_blocks = pool_num_blocks(bundle.args, bundle.dtype, engine)
@@ -68,7 +81,14 @@ class RayDevice(Device):
                                 dtype=bundle.dtype, device="meta")
         self.kind = f"ray:{engine.device}"
         self.options = actor_options(engine, num_cpus)
-        self.actor = RemoteHost.options(**self.options).remote(name, engine, num_threads, lease_s)
+        self.placement = placement
+        self.kv_transport = kv_transport
+        token = WIRE_TOKEN if kv_transport == "direct" else None
+        self.actor = RemoteHost.options(**self.options, **(scheduling or {})).remote(
+            name, engine, num_threads, lease_s, wire_token=token)
+        self.wire_address: Optional[tuple] = None  # the actor's KV wire server, once up
+        self.node_id: Optional[str] = None  # the Ray node the actor runs on, once up
+        self.kv_sent = {t: 0 for t in KV_TRANSPORTS}  # hand-overs sent, by how they went
         self._info = self.actor.info.remote()
         self._ready: Optional[asyncio.Future] = None
         self._watcher: Optional[asyncio.Task] = None
@@ -97,10 +117,13 @@ class RayDevice(Device):
                               f"{info['block_size']} tokens, the driver sized {self.num_blocks} of {self.block_size} "
                               "(a different model or aserve on that host?)")
         self.kind = f"ray:{info['device']}@{info['node']}"
+        self.wire_address = tuple(info["wire"]) if info.get("wire") else None
+        self.node_id = info.get("node_id")
 
     def _asks(self) -> str:
         o = self.options
-        return f"{o['num_gpus']} GPU" if o["num_gpus"] else f"{o['num_cpus']:.2f} CPU"
+        what = f"{o['num_gpus']} GPU" if o["num_gpus"] else f"{o['num_cpus']:.2f} CPU"
+        return f"{what}, {self.placement}" if self.placement else what
 
     def watch(self, on_lost: Callable[[str], None]) -> None:
         async def wait_for_death():
@@ -136,8 +159,8 @@ class RayDevice(Device):
     # ---- the KV hand-over -----------------------------------------------------------------------
     async def send_kv(self, request_id: str, block_ids: Sequence[int], dst: Device, dst_block_ids: Sequence[int],
                       link, num_tokens: int):
-        """Blocks from this actor to ``dst``'s through the object store; ``link`` (a
-        ``netemu.KVLink``) charges the emulated time around the real transfer."""
+        """Blocks from this actor to ``dst``'s, directly (both have a wire) or through the object
+        store; ``link`` (a ``netemu.KVLink``) charges the emulated time around the real transfer."""
         if not isinstance(dst, RayDevice):
             raise TypeError(f"a Ray device sends KV to a Ray device, not {type(dst).__name__}")
         src_ids, dst_ids = list(block_ids), list(dst_block_ids)
@@ -151,15 +174,28 @@ class RayDevice(Device):
 
         return await link.carry(request_id, nbytes, num_tokens, copy)
 
+    def transport_to(self, dst: "RayDevice") -> str:
+        """How a hand-over to ``dst`` goes: direct where both ends have a wire (both were started
+        with the direct transport and the receiver's server is up), else through the object store."""
+        direct = self.kv_transport == "direct" and self.wire_address is not None and dst.wire_address is not None
+        return "direct" if direct else "object-store"
+
     async def _move(self, request_id: str, src_ids: list[int], dst: "RayDevice", dst_ids: list[int]) -> None:
-        """Export here, import there (which confirms to us). A cancel lets the call under way end
-        first: an import still running writes blocks the caller is about to free."""
+        """Push straight to ``dst`` (it answers once the blocks are in its pool), or export here
+        and import there (which confirms to us). A cancel lets the call under way end first: a
+        write still running lands in blocks the caller is about to free."""
         job = None
+        transport = self.transport_to(dst)
         try:
-            job = _future(self.actor.export_kv.remote(request_id, src_ids))
-            refs = await asyncio.shield(job)
-            job = _future(dst.actor.import_kv.remote(request_id, refs, dst_ids, self.actor))
-            await asyncio.shield(job)
+            if transport == "direct":
+                job = _future(self.actor.push_kv.remote(request_id, src_ids, dst.wire_address, dst_ids))
+                await asyncio.shield(job)
+            else:
+                job = _future(self.actor.export_kv.remote(request_id, src_ids))
+                refs = await asyncio.shield(job)
+                job = _future(dst.actor.import_kv.remote(request_id, refs, dst_ids, self.actor))
+                await asyncio.shield(job)
+            self.kv_sent[transport] += 1
         except asyncio.CancelledError:
             if job is not None:
                 await asyncio.wait([job])

@@ -215,9 +215,15 @@ KV_TOTALS = ("bytes", "emulated_bytes", "num_done", "real_copy_s", "emulated_s")
 
 def _kv_totals(cluster) -> dict:
     """KV hand-overs so far, over every link: bytes copied, bytes the link was charged (a
-    simulated device copies none), transfers, real copy and emulated seconds."""
+    simulated device copies none), transfers, real copy and emulated seconds; and on Ray, how
+    many went actor to actor directly and how many through the object store."""
     stats = [link.stats() for link in cluster.handoff.links.values()]
-    return {k: sum(s.get(k, 0) for s in stats) for k in KV_TOTALS}
+    totals = {k: sum(s.get(k, 0) for s in stats) for k in KV_TOTALS}
+    for inst in cluster.instances.values():
+        for transport, n in getattr(inst.device, "kv_sent", {}).items():
+            key = f"sent_{transport.replace('-', '_')}"
+            totals[key] = totals.get(key, 0) + n
+    return totals
 
 
 def _predictor_delta(before: dict, after: dict, latency: LatencyHistogram, latency_count_before: int) -> dict:
@@ -279,7 +285,7 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
                                          tuple(sampler.samples.get(iid, ())))
                           for iid, inst in cluster.instances.items())
         flips = max(sampler.flips(), cluster.lifecycle.counts["flips"])
-        kv = {k: v - kv0[k] for k, v in _kv_totals(cluster).items()}
+        kv = {k: v - kv0.get(k, 0) for k, v in _kv_totals(cluster).items()}
         evicted = sum(n - ev0.get(iid, 0) for iid, n in _evictions(cluster).items())
         return SystemRun(spec.name, tuple(records), instances, int(kv["bytes"]), flips, sampler.max_lag,
                          wall_s=wall_s, cache_evictions=evicted,
