@@ -41,7 +41,7 @@ UNIT_MODULES = frozenset({
     "test_batching_invariants", "test_cli_spellings", "test_control_plane", "test_decode_policies", "test_dispatch",
     "test_fig_ablation", "test_flip_policies", "test_netemu_link", "test_predictors_agreement", "test_predictors_base",
     "test_predictor_share", "test_prefill_policies", "test_prefix_cache", "test_release_memory", "test_results_page",
-    "test_sim_heldout", "test_step_drift", "test_step_speed", "test_placement_slo", "test_slo_budget", "test_profile_checks",
+    "test_sim_heldout", "test_step_channel", "test_step_drift", "test_step_speed", "test_placement_slo", "test_slo_budget", "test_profile_checks",
 })
 
 

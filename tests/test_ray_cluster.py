@@ -6,6 +6,7 @@ record, and an actor killed mid-run — every
 request completes (re-run elsewhere) with the fault-free output, no block and no pinned export
 is left, and the recovery time is on record."""
 import asyncio
+import re
 
 import pytest
 import torch
@@ -93,7 +94,7 @@ def test_killed_actor_mid_run_loses_no_request(local_ray, default_bundle_fp32, o
             return cl.instances[victim], list(cl.lifecycle.failure_log), cl.all_counts()
 
     dead, failures, counts = asyncio.run(run())
-    assert dead.state == "failed" and "died" in dead.failure
+    assert dead.state == "failed" and re.search("died|gone", dead.failure), dead.failure  # Ray's watch or the channel
     (failure,) = failures
     assert failure["instance"] == dead.id and failure["requests"] >= 1 and counts["reruns"] >= 1
     assert 0 < failure["recovered_s"] < 60  # the last re-run request streamed again this long after

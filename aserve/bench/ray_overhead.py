@@ -113,19 +113,32 @@ async def measure(make: dict[str, Callable[[str], Device]], step_plans: dict[str
                 await d.close()
     return {"steps_s": {k: {name: statistics.median(v) for name, v in s.items()} for k, s in steps.items()},
             "round_trip_beyond_busy_s": extra,
+            "ray_nodes_apart": _apart(devices.get("ray")),
+            "ray_step_path": getattr(devices["ray"][0], "step_path", None) if "ray" in devices else None,
             "kv_bytes_per_s": {k: {n: n * block_bytes / statistics.median(v) for n, v in c.items()}
                                for k, c in copies.items()},
             "block_bytes": block_bytes}
 
 
+def _apart(pair) -> Optional[bool]:
+    """Whether the two Ray devices' actors ran on different Ray nodes (None: no Ray pair)."""
+    if not pair:
+        return None
+    a, b = pair
+    return getattr(a, "node_id", None) != getattr(b, "node_id", None)
+
+
 def run_ray_bench(engine: EngineConfig, address: Optional[str], decode_batch: int = 16, chunk: int = 128,
                   kv_blocks: Sequence[int] = (4, 32, 128), rounds: int = 5, reps: int = 10,
-                  json_path: Optional[str] = None) -> dict:
+                  json_path: Optional[str] = None, nodes: int = 1) -> dict:
+    """``nodes`` > 1: a local Ray of that many nodes (each its own raylet and object store), the
+    machine's cores split between them, so the two Ray devices' actors land on different nodes."""
     from aserve.devices import ray_runtime
     from aserve.devices.ray_device import RayDevice
 
     bundle = ModelBundle.load(engine)
-    owned = ray_runtime.connect(address)
+    harness = ray_runtime.local_nodes(nodes) if nodes > 1 else None
+    owned = ray_runtime.connect(harness.address if harness else address)
     threads = max(1, (engine.num_threads or ray_runtime.total_cpus()) // 2)
     make = {"in-process": lambda name: TorchDevice(name, bundle, engine, threads),
             "ray": lambda name: RayDevice(name, engine, bundle, threads, threads, lease_s=60, start_timeout_s=600)}
@@ -136,8 +149,10 @@ def run_ray_bench(engine: EngineConfig, address: Optional[str], decode_batch: in
     finally:
         if owned:
             ray_runtime.disconnect()
+        if harness is not None:
+            harness.shutdown()
     result.update(model=engine.model, dtype=str(bundle.dtype), threads_per_device=threads, rounds=rounds, reps=reps,
-                  date=time.strftime("%Y-%m-%d"))
+                  nodes=nodes, date=time.strftime("%Y-%m-%d"))
     _print(result, Console())
     if json_path:
         with open(json_path, "w") as f:
@@ -153,7 +168,10 @@ def _print(r: dict, console: Console) -> None:
     for name in local:
         t.add_row(name, f"{local[name] * 1e3:.2f}", f"{ray[name] * 1e3:.2f}", f"{(ray[name] - local[name]) * 1e3:+.2f}")
     console.print(t)
-    console.print(f"ray round trip beyond the actor's busy time: {r['round_trip_beyond_busy_s']['ray'] * 1e3:.2f} ms a step")
+    console.print(f"ray round trip beyond the actor's busy time: {r['round_trip_beyond_busy_s']['ray'] * 1e3:.2f} ms a step "
+                  f"(steps by {r.get('ray_step_path')})")
+    where = "on different Ray nodes" if r.get("ray_nodes_apart") else "on one Ray node"
+    console.print(f"the two actors ran {where} ({r.get('nodes', 1)} node(s) in the cluster)")
     k = Table(title=f"KV hand-over, real copy (blocks of {r['block_bytes']:,d} bytes)")
     ways = list(r["kv_bytes_per_s"])
     for col in ("blocks", "bytes", *(f"{w} GB/s" for w in ways)):

@@ -36,6 +36,9 @@ def register(subparsers) -> None:
     bi.set_defaults(func=cmd_bench_interference)
     br = bsub.add_parser("ray", help="per-step overhead and real KV hand-over throughput: Ray actors vs in-process")
     br.add_argument("--address", default=None, help="a running Ray cluster (default: start a local Ray)")
+    br.add_argument("--nodes", type=int, default=1,
+                    help="without --address: a local Ray of this many nodes on this machine (Ray's multi-node "
+                         "harness, the cores split between them), so the two actors run on different nodes")
     br.add_argument("--decode-batch", type=int, default=16, help="rows of the batched decode step")
     br.add_argument("--chunk", type=int, default=128, help="tokens of the timed prompt chunk")
     br.add_argument("--kv-blocks", default="4,32,128", help="hand-over sizes, in KV blocks, comma-separated")
@@ -85,9 +88,12 @@ def cmd_bench_ray(a: argparse.Namespace) -> int:
         sizes = tuple(int(x) for x in a.kv_blocks.split(","))
     except ValueError:
         raise ValueError(f"--kv-blocks: comma-separated block counts, got {a.kv_blocks!r}") from None
-    if min(sizes) < 1 or min(a.decode_batch, a.chunk, a.rounds, a.reps) < 1:
-        raise ValueError("--kv-blocks, --decode-batch, --chunk, --rounds and --reps must be >= 1")
-    run_ray_bench(engine_config(a, derive=False), a.address, a.decode_batch, a.chunk, sizes, a.rounds, a.reps, a.json)
+    if min(sizes) < 1 or min(a.decode_batch, a.chunk, a.rounds, a.reps, a.nodes) < 1:
+        raise ValueError("--kv-blocks, --decode-batch, --chunk, --rounds, --reps and --nodes must be >= 1")
+    if a.nodes > 1 and a.address:
+        raise ValueError("--nodes starts a local Ray of its own: leave out --address")
+    run_ray_bench(engine_config(a, derive=False), a.address, a.decode_batch, a.chunk, sizes, a.rounds, a.reps, a.json,
+                  a.nodes)
     return 0
 
 

@@ -35,6 +35,7 @@ import torch
 from aserve.config import EngineConfig
 from aserve.engine.bundle import ModelBundle
 from aserve.devices import kv_wire
+from aserve.devices.step_channel import StepChannelServer
 from aserve.devices.torch_device import TorchDevice
 from scheduling.clock import Clock, MonotonicClock
 from scheduling.step import StepOutput, StepPlan
@@ -80,11 +81,13 @@ class DeviceHost:
         self._sweeper: Optional[asyncio.Task] = None
         self.wire: Optional[kv_wire.KVWireServer] = None
         self._sender: Optional[kv_wire.KVWireSender] = None
+        self.steps: Optional[StepChannelServer] = None  # the driver's steps, on a socket of their own
         if wire_token is not None:
             host = wire_host or _node_address()
-            self.wire = kv_wire.KVWireServer("127.0.0.1" if host == "local" else host, wire_token,
-                                             self._check_incoming, self._write_incoming)
+            host = "127.0.0.1" if host == "local" else host
+            self.wire = kv_wire.KVWireServer(host, wire_token, self._check_incoming, self._write_incoming)
             self._sender = kv_wire.KVWireSender(wire_token)
+            self.steps = StepChannelServer(host, wire_token, self._on_frame)
         self._staging = kv_wire.Staging()  # the gathered blocks of pushes, buffers reused
 
     def info(self) -> dict:
@@ -93,7 +96,8 @@ class DeviceHost:
         return {"num_blocks": self.device.num_blocks, "block_size": self.device.block_size,
                 "pool_shape": tuple(pool.shape), "dtype": pool.dtype, "device": self.device.kind,
                 "node": _node_address(), "node_id": _node_id(), "pid": os.getpid(),
-                "wire": self.wire.address if self.wire is not None else None}
+                "wire": self.wire.address if self.wire is not None else None,
+                "steps": self.steps.address if self.steps is not None else None}
 
     async def execute(self, plan: StepPlan) -> tuple[StepOutput, float]:
         """One step; the CPU seconds it took ride along (the driver's device keeps the sum)."""
@@ -104,6 +108,17 @@ class DeviceHost:
 
     def add_swap_space(self) -> int:
         return self.device.add_swap_space()
+
+    def _on_frame(self, kind: str, payload: Any) -> Any:
+        """The step channel's frames, on its connection's thread: a step (its output and CPU
+        seconds, as ``execute`` answers), or making the swap space."""
+        if kind == "step":
+            cpu0 = self.device.cpu_s
+            out = self.device.execute_blocking(payload)
+            return out, self.device.cpu_s - cpu0
+        if kind == "swap":
+            return self.device.add_swap_space()
+        raise ValueError(f"unknown step-channel frame {kind!r}")
 
     # ---- the hand-over ------------------------------------------------------------------------
     async def export_kv(self, request_id: str, block_ids: Sequence[int]) -> list:
@@ -222,6 +237,7 @@ class DeviceHost:
         if self.wire is not None:
             self.wire.close()
             self._sender.close()
+            self.steps.close()
         self.exports.clear()
         await self.device.close()
 

@@ -36,6 +36,19 @@ def disconnect() -> None:
     ray.shutdown()
 
 
+def local_nodes(n: int):
+    """A local Ray of ``n`` nodes on this machine (Ray's multi-node harness: a raylet and an object
+    store each), this machine's cores split between them; ``.address`` to join, ``.shutdown()``."""
+    from ray.cluster_utils import Cluster
+
+    cpus = max(1, (os.cpu_count() or 1) // n)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "include_dashboard": False})
+    for _ in range(n - 1):
+        cluster.add_node(num_cpus=cpus)
+    cluster.wait_for_nodes()
+    return cluster
+
+
 def total_cpus() -> int:
     """CPUs of the whole Ray cluster (every host's), at least 1."""
     import ray

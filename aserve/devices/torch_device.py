@@ -134,6 +134,16 @@ class TorchDevice(Device):
         for plan in (first, second):
             await self._execute(plan)
 
+    def execute_blocking(self, plan: StepPlan) -> StepOutput:
+        """The step from a thread of its own (a Ray actor's step channel), waiting for it: on the
+        device's step thread as ``execute`` runs it, without the event loop. No dedicated-device
+        emulation (``CoreShare``): a device in its own process shares nothing to emulate."""
+        t0 = time.perf_counter()
+        out, cpu_s = self._timed_execute(plan) if self.executor is None else \
+            self.executor.submit(self._timed_execute, plan).result()
+        self.cpu_s += cpu_s
+        return dataclasses.replace(out, busy_s=time.perf_counter() - t0)
+
     def _timed_execute(self, plan: StepPlan) -> tuple[StepOutput, float]:
         """The step, and the CPU seconds this (executor) thread spent on it."""
         c0 = time.thread_time()
