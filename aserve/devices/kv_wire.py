@@ -89,21 +89,15 @@ def _recv_msg(sock: socket.socket) -> dict:
     return json.loads(body)
 
 
-class KVWireServer:
-    """Listens on ``host`` (an ephemeral port); for every pushed payload calls
-    ``write(request_id, block_ids, data)`` (``data``: flat uint8 numpy, the whole payload) after
-    ``check(request_id, block_ids, nbytes)`` returned None (else that string is the error sent
-    back, and the payload is not read: the connection is closed)."""
+class SocketServer:
+    """A listening socket on ``host`` (an ephemeral port) and a thread per connection running
+    ``_serve(conn)``; ``close`` stops accepting (connections end when their peer closes)."""
 
-    def __init__(self, host: str, token: str, check: Callable[[str, list[int], int], Optional[str]],
-                 write: Callable[[str, list[int], np.ndarray], None]):
-        self.token, self._check, self._write = token, check, write
+    def __init__(self, host: str, name: str):
         self._sock = socket.create_server((host, 0), backlog=64)
         self.address = (host, self._sock.getsockname()[1])
-        self._closed = False
-        self.counts = {"received": 0, "refused": 0, "broken": 0}
-        self._thread = threading.Thread(target=self._accept, name="kv-wire-accept", daemon=True)
-        self._thread.start()
+        self._closed, self._name = False, name
+        threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True).start()
 
     def _accept(self) -> None:
         while not self._closed:
@@ -113,7 +107,30 @@ class KVWireServer:
                 return  # closed
             conn.settimeout(WIRE_TIMEOUT_S)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name="kv-wire-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn,), name=self._name, daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+
+class KVWireServer(SocketServer):
+    """Listens on ``host`` (an ephemeral port); for every pushed payload calls
+    ``write(request_id, block_ids, data)`` (``data``: flat uint8 numpy, the whole payload) after
+    ``check(request_id, block_ids, nbytes)`` returned None (else that string is the error sent
+    back, and the payload is not read: the connection is closed)."""
+
+    def __init__(self, host: str, token: str, check: Callable[[str, list[int], int], Optional[str]],
+                 write: Callable[[str, list[int], np.ndarray], None]):
+        self.token, self._check, self._write = token, check, write
+        self.counts = {"received": 0, "refused": 0, "broken": 0}
+        super().__init__(host, "kv-wire")
 
     def _serve(self, conn: socket.socket) -> None:
         """One connection: pushes one after another until the sender closes it."""
@@ -121,7 +138,9 @@ class KVWireServer:
         with conn:
             while not self._closed:
                 try:
+                    conn.settimeout(None)  # an idle connection waits for its next push as long as it takes
                     header = _recv_msg(conn)
+                    conn.settimeout(WIRE_TIMEOUT_S)
                 except (ConnectionError, OSError, ValueError):
                     return  # the sender closed it (between pushes: the normal end) or broke it
                 try:
@@ -157,13 +176,6 @@ class KVWireServer:
                 if not _try_send(conn, {"ok": True}):
                     return
 
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-
 
 def _try_send(conn: socket.socket, obj: dict) -> bool:
     try:
@@ -186,7 +198,7 @@ class KVWireSender:
         """Blocking (run it on a thread): send ``data`` for ``block_ids`` of the receiver's pool and
         wait until the receiver has written them. Returns the bytes sent; ``WireError`` if not."""
         addr = (str(address[0]), int(address[1]))
-        sock = self._take(addr)
+        sock, reused = self._take(addr)
         try:
             _send_msg(sock, {"token": self.token, "request": request_id, "blocks": [int(i) for i in block_ids],
                              "nbytes": int(data.nbytes)})
@@ -196,6 +208,8 @@ class KVWireSender:
                 ack = _recv_msg(sock)
         except (OSError, ConnectionError, ValueError) as e:
             sock.close()
+            if reused:  # a kept connection the receiver has let go of (its process restarted): anew
+                return self.push(address, request_id, block_ids, data)
             raise WireError(f"request {request_id!r}: KV push to {addr[0]}:{addr[1]} broke: "
                             f"{type(e).__name__}: {e}") from None
         if "error" in ack:
@@ -205,17 +219,18 @@ class KVWireSender:
             self._idle.setdefault(addr, []).append(sock)
         return int(data.nbytes)
 
-    def _take(self, addr: tuple) -> socket.socket:
+    def _take(self, addr: tuple) -> tuple[socket.socket, bool]:
+        """An idle connection to ``addr`` (reused: True), else a new one."""
         with self._lock:
             pool = self._idle.get(addr)
             if pool:
-                return pool.pop()
+                return pool.pop(), True
         try:
             sock = socket.create_connection(addr, timeout=WIRE_TIMEOUT_S)
         except OSError as e:
             raise WireError(f"cannot reach the KV receiver at {addr[0]}:{addr[1]}: {e}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+        return sock, False
 
     def close(self) -> None:
         with self._lock:

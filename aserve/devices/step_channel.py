@@ -23,10 +23,9 @@ import hmac
 import json
 import pickle
 import socket
-import threading
 from typing import Any, Callable, Optional, Sequence
 
-from aserve.devices.kv_wire import LENGTH, WIRE_TIMEOUT_S, _recv_exact, _recv_msg, _try_send
+from aserve.devices.kv_wire import LENGTH, SocketServer, _recv_exact, _recv_msg, _try_send
 
 
 class ChannelClosed(ConnectionError):
@@ -42,29 +41,16 @@ def _frame(obj: Any) -> bytes:
     return LENGTH.pack(len(data)) + data
 
 
-class StepChannelServer:
+class StepChannelServer(SocketServer):
     """In the actor: accepts the driver's connection(s) on ``host`` (an ephemeral port) and answers
     each frame ``(seq, kind, payload)`` with ``run(kind, payload)``, on the connection's thread."""
 
     def __init__(self, host: str, token: str, run: Callable[[str, Any], Any]):
         self.token, self._run = token, run
-        self._sock = socket.create_server((host, 0), backlog=8)
-        self.address = (host, self._sock.getsockname()[1])
-        self._closed = False
-        threading.Thread(target=self._accept, name="step-channel-accept", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name="step-channel", daemon=True).start()
+        super().__init__(host, "step-channel")
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(WIRE_TIMEOUT_S)  # the handshake comes at once; steps may be far apart
+        with conn:  # the handshake comes at once (the server's timeout); steps may be far apart
             try:
                 hello = _recv_msg(conn)
                 ok = isinstance(hello, dict) and hmac.compare_digest(str(hello.get("token", "")), self.token)
@@ -94,13 +80,6 @@ class StepChannelServer:
                     conn.sendall(_frame(reply))
                 except OSError:
                     return
-
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self._sock.close()
-        except OSError:
-            pass
 
 
 class StepChannel:
