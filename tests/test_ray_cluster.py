@@ -111,3 +111,19 @@ def test_actor_that_cannot_be_placed_fails_start_with_a_readable_error(local_ray
     with pytest.raises(DeviceFault, match=r"not up within 3 s \(it asks for 1 GPU; free now: 2 CPU, 0 GPU\)"):
         asyncio.run(cl.start())
     assert not cl.started and local_ray.is_initialized()  # the session's Ray is not this cluster's to stop
+
+
+@pytest.mark.long
+def test_the_driver_holds_no_weights(local_ray, offline):
+    """A cluster on Ray that loads its own bundle keeps the model's shape and tokenizer only (the
+    actors load the weights), and answers as one process does."""
+    ids = prompts([9, 40])
+
+    async def run():
+        async with Cluster(ENGINE, ClusterConfig(mode="coupled", num_coupled=1, backend="ray")) as cl:
+            reqs = await asyncio.gather(*[cl.generate(p, SP) for p in ids])
+            return cl.bundle, [r.output_token_ids for r in reqs]
+
+    bundle, got = asyncio.run(run())
+    assert bundle.model is None and bundle.kernels == "in the actors" and bundle.tokenizer is not None
+    assert got == offline(ids)

@@ -98,8 +98,8 @@ class Cluster:
     async def start(self, warm_up: bool = False) -> None:
         """Load the model, start the instances (and their devices) and the monitor. ``warm_up``:
         each instance's device runs a first step's work once before anything is served (serve)."""
-        if self.bundle is None:
-            self.bundle = await asyncio.to_thread(load_bundle, self.engine)
+        if self.bundle is None:  # on Ray the driver holds no weights: each actor loads its own
+            self.bundle = await asyncio.to_thread(load_bundle, self.engine, self.devices.local)
         self.stops = StopChecker(self.bundle.tokenizer, self.bundle.eos_token_ids)
         # loading (or fitting, the first time) a predictor takes seconds: off the loop
         await asyncio.to_thread(self.predictor.load, self.bundle.tokenizer.decode, (self.engine.model, self.bundle.path),

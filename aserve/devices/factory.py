@@ -47,10 +47,11 @@ def device_cost(cfg: EngineConfig, threads: int):
     return load_or_measure(cfg, threads)
 
 
-def load_bundle(cfg: EngineConfig) -> ModelBundle:
-    """The model a cluster of ``cfg`` serves: loaded weights, or a simulated model's shape."""
+def load_bundle(cfg: EngineConfig, weights: bool = True) -> ModelBundle:
+    """The model a cluster of ``cfg`` serves: loaded weights, or a simulated model's shape.
+    ``weights=False``: the shape and tokenizer only (a Ray driver: each actor loads the weights)."""
     if not is_sim(cfg):
-        return ModelBundle.load(cfg)
+        return ModelBundle.load(cfg, weights=weights)
     import torch
     from transformers import AutoTokenizer
 

@@ -26,20 +26,22 @@ class ModelBundle:
 
     path: Path
     args: ModelArgs
-    model: torch.nn.Module
+    model: Optional[torch.nn.Module]  # None: the shape and tokenizer alone (a Ray driver, a simulated device)
     tokenizer: object
     dtype: torch.dtype
     device: str
 
     @staticmethod
-    def load(cfg: EngineConfig, model: Optional[torch.nn.Module] = None) -> "ModelBundle":
+    def load(cfg: EngineConfig, model: Optional[torch.nn.Module] = None, weights: bool = True) -> "ModelBundle":
+        """``weights=False``: the model's shape and tokenizer without its weights (a Ray driver,
+        whose actors load their own)."""
         from transformers import AutoTokenizer
 
         path = resolve_model(cfg.model, Path(cfg.cache_dir) if cfg.cache_dir else None)
         hf_cfg = read_config(path)
         args = ModelArgs.from_hf(hf_cfg)
         dtype = pick_dtype(cfg.dtype, cfg.device)
-        if model is None:
+        if model is None and weights:
             kernels = native.resolve_kernels(cfg.kernels, cfg.device)
             backend = pick_backend(cfg.attention, cfg.device, native_ok=kernels != "fallback",
                                    block_size=cfg.block_size, dtype=dtype)
@@ -49,8 +51,9 @@ class ModelBundle:
 
     @property
     def kernels(self) -> str:
-        """Which kernels the model runs on: native, unfused or fallback (``native.use_kernels``)."""
-        return getattr(self.model, "kernels", "unknown")
+        """Which kernels the model runs on: native, unfused or fallback (``native.use_kernels``);
+        "in the actors" for a bundle without weights (a Ray driver's)."""
+        return getattr(self.model, "kernels", "unknown") if self.model is not None else "in the actors"
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
