@@ -182,7 +182,11 @@ class DeviceHost:
         flat = pool.view(pool.shape[0] * pool.shape[1], pool.shape[2], -1)  # a block's slab is contiguous
         data = self._staging.take(len(ids) * self.device.kv.block_bytes)
         out = torch.from_numpy(data).view(pool.dtype).view(flat.shape[0], len(ids), flat.shape[2])
-        torch.index_select(flat, 1, torch.tensor(ids, dtype=torch.long), out=out)
+        idx = torch.tensor(ids, dtype=torch.long, device=pool.device)
+        if pool.device.type == "cpu":
+            torch.index_select(flat, 1, idx, out=out)
+        else:  # a GPU pool: gathered on the device, then one copy into the host buffer
+            out.copy_(flat.index_select(1, idx))
         return data
 
     def _check_incoming(self, request_id: str, block_ids: list[int], nbytes: int) -> Optional[str]:
