@@ -68,8 +68,9 @@ class DeviceHost:
                  bundle: Optional[ModelBundle] = None, put: Optional[Callable[[Any], Any]] = None,
                  get: Optional[Callable[[Any], Any]] = None, clock: Optional[Clock] = None,
                  wire_token: Optional[str] = None, wire_host: Optional[str] = None):
-        """``wire_token``: the cluster's secret for direct KV pushes (None: no wire server, the
-        object store only); the server listens on ``wire_host`` (default: this node's address)."""
+        """``wire_token``: the cluster's secret for the step channel and direct KV pushes (None:
+        neither server, steps as Ray calls and KV through the object store only); both listen on
+        ``wire_host`` (default: this node's address)."""
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.name, self.lease_s = name, lease_s

@@ -51,7 +51,8 @@ RemoteHost = ray.remote(DeviceHost)  # an asyncio actor: its methods are corouti
 CODE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding aserve/, model/, ...
 CLOSE_WAIT_S = 30.0  # how long close waits for a live actor's step in flight
 
-# the secret every actor this driver starts presents to the others' KV wire servers (never logged)
+# the secret this driver's connections present to its actors' step channels and KV wire servers,
+# and the actors to each other's (never logged)
 WIRE_TOKEN = secrets.token_hex(16)
 
 
@@ -72,7 +73,8 @@ class RayDevice(Device):
                  lease_s: float, start_timeout_s: float, kv_transport: str = "direct",
                  scheduling: Optional[dict] = None, placement: str = ""):
         """``kv_transport``: direct (actor to actor over a socket of their own, which only this
-        driver's actors may write to: ``WIRE_TOKEN``) or object-store. ``scheduling``: extra Ray
+        driver's actors may write to: ``WIRE_TOKEN``) or object-store; steps take the step channel
+        either way. ``scheduling``: extra Ray
         options for the actor (its placement group's bundle, its hosts' mark: ray_placement.py),
         which ``placement`` says in words."""
         super().__init__()
@@ -88,10 +90,9 @@ class RayDevice(Device):
         self.kind = f"ray:{engine.device}"
         self.options = actor_options(engine, num_cpus)
         self.placement = placement
-        self.kv_transport = kv_transport
-        token = WIRE_TOKEN if kv_transport == "direct" else None
+        self.kv_transport = kv_transport  # the actor has its wire either way; this says whether pushes use it
         self.actor = RemoteHost.options(**self.options, **(scheduling or {})).remote(
-            name, engine, num_threads, lease_s, wire_token=token)
+            name, engine, num_threads, lease_s, wire_token=WIRE_TOKEN)
         self.wire_address: Optional[tuple] = None  # the actor's KV wire server, once up
         self.node_id: Optional[str] = None  # the Ray node the actor runs on, once up
         self.kv_sent = {t: 0 for t in KV_TRANSPORTS}  # hand-overs sent, by how they went

@@ -22,6 +22,7 @@ are removed when the cluster closes.
 from __future__ import annotations
 
 from aserve.config import RAY_PLACEMENTS as PLACEMENTS
+from aserve.engine.policies import ROLES
 ROLE_SLIVER = 0.001
 
 
@@ -41,7 +42,7 @@ class Placement:
             raise ValueError(f"bad Ray placement {how!r}: choose one of {', '.join(PLACEMENTS)}")
         self.how = how
         have = ray.cluster_resources()
-        self.marked = {r for r in set(roles) | {"prefill", "decode", "coupled"} if have.get(role_resource(r), 0) > 0}
+        self.marked = {r for r in ROLES if have.get(role_resource(r), 0) > 0}
         self._free: dict[str, list[tuple]] = {}  # role -> (group, bundle index) not yet given out
         self.groups = []
         if how == "auto":
