@@ -72,7 +72,7 @@ class EngineConfig:
 
 MODES = ("disagg", "coupled", "adaptive")
 DEVICE_BACKENDS = ("local", "ray")  # where instances run (ClusterConfig.backend)
-RAY_KV_TRANSPORTS = ("direct", "object-store")  # how KV goes between Ray actors (aserve/devices/kv_wire.py)
+RAY_KV_TRANSPORTS = ("direct", "socket", "object-store")  # how KV goes between Ray actors (aserve/devices/kv_wire.py)
 RAY_PLACEMENTS = ("auto", "pools", "spread", "pack")  # aserve/devices/ray_placement.py
 TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
 PREDICTOR_FEATURES = ("auto", "prefill", "prompt")
@@ -166,7 +166,7 @@ class ClusterConfig:
     # local Ray sized to this machine) | ray:ADDRESS (on the running Ray cluster at ADDRESS, or auto)
     backend: str = "local"
     actor_start_timeout_s: float = 300.0  # ray: an actor not up (model loaded) by then fails its instance
-    ray_kv: str = "direct"  # ray: KV between actors directly over a socket, or object-store (aserve/devices/kv_wire.py)
+    ray_kv: str = "direct"  # ray: KV actor to actor (shared memory on one host, else a socket), socket always, or object-store (aserve/devices/kv_wire.py)
     ray_placement: str = "auto"  # ray: auto | pools | spread | pack (aserve/devices/ray_placement.py)
     seed: int = 0
 

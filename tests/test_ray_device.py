@@ -98,8 +98,10 @@ def test_push_moves_the_blocks_straight_into_the_other_pool(bundle):
     src_pool, dst_pool, block_bytes = a.device.kv.pool, b.device.kv.pool, b.device.kv.block_bytes
 
     async def run():
-        sent = await a.push_kv("r", [3, 5, 4], b.wire.address, [7, 1, 2])
-        sent += await a.push_kv("s", [0], b.wire.address, [6])
+        pushed = [await a.push_kv("r", [3, 5, 4], b.wire.address, [7, 1, 2], shared=False),
+                  await a.push_kv("s", [0], b.wire.address, [6], shared=False)]
+        assert [p["via"] for p in pushed] == ["socket", "socket"]
+        sent = sum(p["bytes"] for p in pushed)
         assert a.held()["exports"] == {} and b.held()["exports"] == {}
         counts = (a.held()["pushed"], b.held()["received"], b.wire.counts["received"])
         await a.close()
@@ -110,6 +112,88 @@ def test_push_moves_the_blocks_straight_into_the_other_pool(bundle):
     assert sent == 4 * block_bytes and counts == (2, 2, 2)
     assert torch.equal(dst_pool[:, :, [7, 1, 2, 6]], src_pool[:, :, [3, 5, 4, 0]])
     assert not dst_pool[:, :, [0, 3, 4, 5]].any()  # nothing else written
+
+
+def test_on_one_host_a_push_goes_through_shared_memory(bundle):
+    """Two hosts seeing one /dev/shm: p0 gathers into a segment of its own and names it; d1 copies
+    from there, so no payload crosses the socket. A receiver that cannot map the segment (here:
+    its address does not carry the key, as another host's would not) is streamed to instead.
+    Closing removes the segments."""
+    from aserve.devices import kv_wire
+
+    if kv_wire.shm_host_key() is None:
+        pytest.skip("no /dev/shm here")
+    a, b = host(bundle, "p0", token="t0k"), host(bundle, "d1", token="t0k")
+    a.device.kv.pool.copy_(torch.randn(a.device.kv.pool.shape))
+    src_pool, dst_pool = a.device.kv.pool, b.device.kv.pool
+    assert len(b.wire.address) == 3 and a._sender.can_share(b.wire.address)
+
+    async def run():
+        pushed = [await a.push_kv("r", [3, 5, 4], b.wire.address, [7, 1, 2]),
+                  await a.push_kv("s", [0, 1], b.wire.address, [0, 3]),  # the same segment, mapped once
+                  await a.push_kv("t", [2], b.wire.address[:2], [4])]  # no key: streamed
+        segments = set(a._shared._names.values())
+        held = a.held()["pushed via"]
+        await a.close()
+        await b.close()
+        return pushed, segments, held
+
+    pushed, segments, held = asyncio.run(run())
+    assert [p["via"] for p in pushed] == ["shared memory", "shared memory", "socket"]
+    assert held == {"shared memory": 2, "socket": 1}
+    assert torch.equal(dst_pool[:, :, [7, 1, 2, 0, 3, 4]], src_pool[:, :, [3, 5, 4, 0, 1, 2]])
+    assert not dst_pool[:, :, [5, 6]].any()
+    assert len(segments) == 1  # one segment served every push, and is gone after close
+    assert not any(Path(kv_wire.SHM_DIR, n).exists() for n in segments)
+
+
+def test_a_segment_the_receiver_cannot_map_is_streamed_and_no_path_is_opened(bundle, tmp_path):
+    """A header naming anything but a sender's segment (a path, a name of another form, one that
+    does not exist) is not opened: the receiver asks for the bytes on the socket, and the sender
+    streams to it from then on."""
+    from aserve.devices import kv_wire
+
+    if kv_wire.shm_host_key() is None:
+        pytest.skip("no /dev/shm here")
+    mapped = kv_wire._Mapped()
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"\x07" * 4096)
+    for name in (str(secret), "../" * 8 + str(secret)[1:], "aserve-kv-1-000000000000", "other"):
+        assert mapped.view(name, 16) is None
+    b = host(bundle, "d1", token="t0k")
+    sender = kv_wire.KVWireSender("t0k")
+    data = np.full(b.device.kv.block_bytes, 3, dtype=np.uint8)
+    assert sender.push(b.wire.address, "x", [1], data, shm="aserve-kv-1-000000000000") == (data.nbytes, "socket")
+    assert not sender.can_share(b.wire.address)  # refused once: streamed from then on
+    sender.close()
+    assert b.device.kv.pool[:, :, 1].contiguous().view(torch.uint8).eq(3).all()  # the bytes as sent
+    asyncio.run(b.close())
+
+
+def test_a_killed_sender_leaves_no_segment_behind():
+    """A process killed while it holds segments: multiprocessing's resource tracker removes them."""
+    import signal
+    import subprocess
+    import sys
+
+    from aserve.devices import kv_wire
+
+    if kv_wire.shm_host_key() is None:
+        pytest.skip("no /dev/shm here")
+    code = ("import sys, time; from aserve.devices.kv_wire import SharedStaging; s = SharedStaging(); "
+            "b = s.take(3 << 20); b[:] = 1; print(s.name_of(b), flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    name = proc.stdout.readline().strip()
+    path = Path(kv_wire.SHM_DIR, name)
+    assert kv_wire.SHM_NAME.fullmatch(name) and path.stat().st_size == 4 << 20  # rounded up to a power of two
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for _ in range(100):
+        if not path.exists():
+            break
+        time.sleep(0.05)
+    assert not path.exists()
 
 
 def test_push_is_refused_with_a_readable_error_and_writes_nothing(bundle):
@@ -152,7 +236,7 @@ def test_a_push_cut_short_writes_nothing(bundle):
 
     b = host(bundle, "d1", token="t0k")
     nbytes, pool = 2 * b.device.kv.block_bytes, b.device.kv.pool
-    with socket.create_connection(b.wire.address) as s:
+    with socket.create_connection(b.wire.address[:2]) as s:
         head = json.dumps({"token": "t0k", "request": "cut", "blocks": [0, 1], "nbytes": nbytes}).encode()
         s.sendall(LENGTH.pack(len(head)) + head)
         s.recv(64)  # the go-ahead
@@ -184,7 +268,7 @@ def test_cluster_flag_and_backend_checks():
                                    "--ray-placement", "pools"])
     assert (cluster_config(a).ray_kv, cluster_config(a).ray_placement) == ("object-store", "pools")
     assert (ClusterConfig().ray_kv, ClusterConfig().ray_placement) == ("direct", "auto")
-    with pytest.raises(ValueError, match="bad ray_kv 'nccl': direct or object-store"):
+    with pytest.raises(ValueError, match="bad ray_kv 'nccl': direct or socket or object-store"):
         ClusterConfig(backend="ray", ray_kv="nccl")
     with pytest.raises(ValueError, match="bad ray_placement 'strict': choose one of auto, pools, spread, pack"):
         ClusterConfig(backend="ray", ray_placement="strict")

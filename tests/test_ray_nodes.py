@@ -58,8 +58,9 @@ def test_cross_node_hand_overs_and_a_lost_node(nodes, default_bundle_fp32):
     ids = prompts()
     llm = LLM(ENGINE, bundle=default_bundle_fp32)
     want = [c.token_ids for c in llm.generate(ids, SP)]
+    # the nodes share this machine's /dev/shm; --ray-kv socket streams as between two hosts
     cfg = ClusterConfig(mode="disagg", num_prefill=1, num_decode=2, chunk_size=64, backend="ray",
-                        ray_placement="pools")
+                        ray_placement="pools", ray_kv="socket")
     head, decode_nodes = ray_nodes.head_node.node_id, {w.node_id: w for w in workers}
     lost = []
 
@@ -78,7 +79,7 @@ def test_cross_node_hand_overs_and_a_lost_node(nodes, default_bundle_fp32):
             # a first wave: every hand-over crosses nodes, actor to actor
             first = await asyncio.gather(*[cl.generate(p, SP) for p in ids[:4]])
             assert [r.output_token_ids for r in first] == want[:4]
-            assert p0.device.kv_sent == {"direct": 4, "object-store": 0}
+            assert p0.device.kv_sent == {"direct": 4, "shared-memory": 0, "object-store": 0}
             # then the drill: a decode host goes away mid-run with its actor
             check(await stream_all(cl, ids, SP, lose_a_node, after_tokens=40, timeout=300), want)
             (victim,) = lost

@@ -11,9 +11,10 @@ alternating between the kinds so both see the same machine minutes:
 - **KV hand-over throughput**: ``send_kv`` of n blocks from device a to device b over a link so
   fast its emulated time is nil, so the record's real copy time is the transfer alone: in-process
   one ``index_select``/``index_copy_`` on the copy thread; between the Ray actors both ways, in
-  the same rounds: directly (the default: the sender streams the gathered blocks over a socket
-  into the receiver's pool, aserve/devices/kv_wire.py) and through the object store (an export,
-  a fetch and a copy into the other actor's pool). Real bytes per second, median of rounds.
+  the same rounds: directly (the default: on one host the sender gathers the blocks into a
+  shared-memory segment the receiver copies from into its pool, across hosts it streams them
+  over a socket, aserve/devices/kv_wire.py), over the socket always, and through the object
+  store (an export, a fetch and a copy into the other actor's pool). Real bytes per second, median of rounds.
 
 The pools hold zeros: a step's cost does not depend on the values.
 """
@@ -73,7 +74,7 @@ def _copy_ways(kind: str) -> list[str]:
     """How KV goes between two devices of ``kind``: a Ray device both ways, direct first."""
     if kind != "ray":
         return [kind]
-    return [f"ray {t}" for t in ("direct", "object-store")]
+    return [f"ray {t}" for t in ("direct", "socket", "object-store")]
 
 
 async def measure(make: dict[str, Callable[[str], Device]], step_plans: dict[str, StepPlan],

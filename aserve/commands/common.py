@@ -195,9 +195,10 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                         "sized to this machine) | ray:ADDRESS (join the Ray cluster at ADDRESS, or ray:auto; docs/RAY.md)")
     g.add_argument("--actor-start-timeout", type=float, default=300.0,
                    help="--cluster ray: seconds an instance's actor may take to start and load the model")
-    g.add_argument("--ray-kv", default="direct", metavar="direct|object-store",
-                   help="--cluster ray: KV hand-overs go actor to actor over a socket of their own (direct), "
-                        "or through Ray's object store (docs/RAY.md)")
+    g.add_argument("--ray-kv", default="direct", metavar="direct|socket|object-store",
+                   help="--cluster ray: KV hand-overs go actor to actor (direct: through shared memory between "
+                        "actors on one host, over a socket of their own between hosts), over the socket always "
+                        "(socket), or through Ray's object store (docs/RAY.md)")
     g.add_argument("--ray-placement", default="auto", metavar="auto|pools|spread|pack",
                    help="--cluster ray: auto (Ray's scheduler) | pools (a placement group per role, PACK) | "
                         "spread | pack (one group over every instance); hosts marked aserve_ROLE take that role")

@@ -12,8 +12,9 @@
 
     or directly (the default, aserve/devices/kv_wire.py): A.push_kv(rid, blocks, B's wire
     address, B's blocks) gathers the blocks and streams them to B's wire server, which writes
-    them into B's pool on B's copy thread and acknowledges; nothing is put in the object store
-    and nothing is pinned, so there is no lease to run out
+    them into B's pool on B's copy thread and acknowledges (on one host A gathers them into a
+    shared-memory segment instead and B copies them from there: no bytes on the socket);
+    nothing is put in the object store and nothing is pinned, so there is no lease to run out
 
 The class is plain Python: ``RayDevice`` wraps it with ``ray.remote`` as an asyncio actor, so a
 step, an export and an import interleave at their awaits (the forward on the device's step
@@ -90,13 +91,14 @@ class DeviceHost:
             self._sender = kv_wire.KVWireSender(wire_token)
             self.steps = StepChannelServer(host, wire_token, self._on_frame)
         self._staging = kv_wire.Staging()  # the gathered blocks of pushes, buffers reused
+        self._shared = kv_wire.SharedStaging()  # the same, in /dev/shm: pushes to an actor on this host
 
     def info(self) -> dict:
         """What the driver checks once the actor is up: the pool it promised, where it runs."""
         pool = self.device.kv.pool
         return {"num_blocks": self.device.num_blocks, "block_size": self.device.block_size,
                 "pool_shape": tuple(pool.shape), "dtype": pool.dtype, "device": self.device.kind,
-                "node": _node_address(), "node_id": _node_id(), "pid": os.getpid(),
+                "node": _node_address(), "node_id": _node_id(), "pid": os.getpid(), "nice": os.nice(0),
                 "wire": self.wire.address if self.wire is not None else None,
                 "steps": self.steps.address if self.steps is not None else None}
 
@@ -162,26 +164,31 @@ class DeviceHost:
         return want
 
     async def push_kv(self, request_id: str, block_ids: Sequence[int], address: Sequence,
-                      dst_block_ids: Sequence[int]) -> int:
+                      dst_block_ids: Sequence[int], shared: bool = True) -> dict:
         """Send this pool's ``block_ids`` straight to the wire server at ``address`` (another
-        actor's), into its ``dst_block_ids``; returns once that actor has them in its pool (the
-        bytes sent), raises ``kv_wire.WireError`` if they did not land."""
+        actor's), into its ``dst_block_ids``; returns once that actor has them in its pool:
+        ``{"bytes": n, "via": "shared memory" | "socket"}``. ``shared``: on one host, through a
+        shared-memory segment (else always over the socket). Raises ``kv_wire.WireError`` if they
+        did not land."""
         if self._sender is None:
             raise RuntimeError(f"instance {self.name} was started without a KV wire (object store only)")
         ids = list(block_ids)
-        data = await asyncio.get_running_loop().run_in_executor(self.device.copier(), self._gather, ids)
+        staging = self._shared if shared and self._sender.can_share(address) else self._staging
+        data = await asyncio.get_running_loop().run_in_executor(self.device.copier(), self._gather, ids, staging)
+        shm = staging.name_of(data) if staging is self._shared else None
         try:
-            sent = await asyncio.to_thread(self._sender.push, address, request_id, list(dst_block_ids), data)
+            sent, via = await asyncio.to_thread(self._sender.push, address, request_id, list(dst_block_ids), data, shm)
         finally:
-            self._staging.give(data)
+            staging.give(data)
         self.counts["pushed"] += 1
-        return sent
+        return {"bytes": sent, "via": via}
 
-    def _gather(self, ids: list[int]) -> np.ndarray:
-        """The blocks, in ``blocks_to``'s byte order ([L, 2, n, block, H, D]), into a reused buffer."""
+    def _gather(self, ids: list[int], staging: Optional[kv_wire.Staging] = None) -> np.ndarray:
+        """The blocks, in ``blocks_to``'s byte order ([L, 2, n, block, H, D]), into a reused
+        buffer of ``staging`` (default: this host's private one)."""
         pool = self.device.kv.pool
         flat = pool.view(pool.shape[0] * pool.shape[1], pool.shape[2], -1)  # a block's slab is contiguous
-        data = self._staging.take(len(ids) * self.device.kv.block_bytes)
+        data = (staging or self._staging).take(len(ids) * self.device.kv.block_bytes)
         out = torch.from_numpy(data).view(pool.dtype).view(flat.shape[0], len(ids), flat.shape[2])
         idx = torch.tensor(ids, dtype=torch.long, device=pool.device)
         if pool.device.type == "cpu":
@@ -229,8 +236,12 @@ class DeviceHost:
         return gone
 
     def held(self) -> dict:
-        """Exports still pinned (request id -> bytes) and the counters, for tests and views."""
-        return {"exports": {rid: e.nbytes for rid, e in self.exports.items()}, **self.counts}
+        """Exports still pinned (request id -> bytes) and the counters, for tests and views (and
+        how this host's pushes went, once it has made any)."""
+        out = {"exports": {rid: e.nbytes for rid, e in self.exports.items()}, **self.counts}
+        if self._sender is not None and any(self._sender.counts.values()):
+            out["pushed via"] = dict(self._sender.counts)
+        return out
 
     async def watch(self) -> None:
         """Never returns: the driver awaits it to learn at once when this process dies."""
@@ -243,6 +254,7 @@ class DeviceHost:
             self.wire.close()
             self._sender.close()
             self.steps.close()
+        self._shared.close()
         self.exports.clear()
         await self.device.close()
 

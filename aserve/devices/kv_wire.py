@@ -1,4 +1,5 @@
-"""KV blocks straight from one actor's process to another's, over a TCP connection of their own.
+"""KV blocks straight from one actor's process to another's: over a TCP connection of their own,
+or, between two processes on one host, through a shared-memory buffer that connection names.
 
     prefill actor A                                         decode actor B
     push_kv(rid, blocks, B's address, B's blocks)           KVWireServer (a thread per connection)
@@ -8,6 +9,14 @@
       ── the bytes, one sendall ──────────────────────────►   recv_into one buffer, then
                                                                write(rid, ids, bytes): into B's pool
       ◄─ {"ok": true} or {"error": "..."} ────────────────   (after the blocks are in the pool)
+
+On one host (the receiver's address carries its ``shm_host_key``, and the sender's matches) A
+gathers the blocks into a shared-memory segment of its own (/dev/shm) instead, and the header
+names it: B maps the segment (kept mapped for the next push), copies the payload into its pool
+from there and answers ``{"ok": true}`` at once, so the bytes cross no socket. Where B cannot map
+it (another host after all, no /dev/shm) it answers ``{"go": true}`` and A streams the same buffer,
+and pushes to B stream from then on. A stream costs both processes' cores a kernel copy each way:
+23.6 MB went over loopback in 18.9 ms here, against 4.0 ms for a memcpy of the same bytes.
 
 Nothing lands in the object store and nothing is pinned: the bytes go from A's memory to B's
 in one stream, as NIXL or a NCCL send would move them between GPUs. The driver makes one call
@@ -23,9 +32,14 @@ from __future__ import annotations
 
 import hmac
 import json
+import mmap
+import os
+import re
+import secrets
 import socket
 import struct
 import threading
+from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -36,6 +50,22 @@ WIRE_TIMEOUT_S = 120.0  # a peer that neither sends nor answers for this long is
 # a buffer up to this size is kept for the next push (each side): the first touch of a fresh
 # 94 MB buffer cost ~90 ms of page faults here, the copy into a warm one 17 ms
 KEEP_BYTES = 256 * 2**20
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "aserve-kv-"
+SHM_NAME = re.compile(r"aserve-kv-[0-9]+-[0-9a-f]{12}")  # the only names a receiver maps (no paths)
+SHM_MAPPED = 2  # segments a receiver keeps mapped per connection (a sender keeps two buffers)
+
+
+def shm_host_key() -> Optional[str]:
+    """Which shared memory this process sees: two processes with the same key map the same
+    /dev/shm (one kernel boot, one mount of it); None where there is none to share."""
+    try:
+        st = os.stat(SHM_DIR)
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        return None
+    return f"{boot}:{st.st_dev}:{st.st_ino}"
 
 
 class Staging:
@@ -58,6 +88,106 @@ class Staging:
                 self._free.append(base)
                 self._free.sort(key=lambda b: b.nbytes, reverse=True)
                 del self._free[self.keep:]
+
+
+class SharedStaging(Staging):
+    """Staging whose buffers are segments of /dev/shm that a process on this host can map by
+    ``name_of(buffer)``. Each segment is registered with multiprocessing's resource tracker, so a
+    process killed with segments of its own still has them removed; ``close`` removes the rest."""
+
+    def __init__(self, keep: int = 2):
+        super().__init__(keep)
+        self._names: dict[int, str] = {}  # id of a segment's array -> its name
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.nbytes >= nbytes:
+                    return self._free.pop(i)[:nbytes]
+        size = 1 << max(20, (nbytes - 1).bit_length())  # a power of two: fewer segments as pushes grow
+        name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mem = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        _track(name, True)
+        base = np.frombuffer(mem, dtype=np.uint8)  # writable: the mapping is
+        with self._lock:
+            self._names[id(base)] = name
+        return base[:nbytes]
+
+    def name_of(self, buf: np.ndarray) -> str:
+        return self._names[id(buf.base if isinstance(buf.base, np.ndarray) else buf)]
+
+    def give(self, buf: np.ndarray) -> None:
+        base = buf.base if isinstance(buf.base, np.ndarray) else buf
+        super().give(buf)
+        with self._lock:
+            kept = any(b is base for b in self._free)
+            name = None if kept else self._names.pop(id(base), None)
+        if name is not None:  # not kept: its name goes now, its memory with the last mapping
+            _unlink(name)
+
+    def close(self) -> None:
+        with self._lock:
+            names, self._names, self._free = list(self._names.values()), {}, []
+        for name in names:
+            _unlink(name)
+
+
+def _track(name: str, register: bool) -> None:
+    """Tell multiprocessing's resource tracker about a segment (it removes those a dead process
+    left); a process that cannot start the tracker goes on without it."""
+    try:
+        from multiprocessing import resource_tracker
+
+        (resource_tracker.register if register else resource_tracker.unregister)("/" + name, "shared_memory")
+    except Exception:  # noqa: BLE001 - the tracker is a safety net, not the mechanism
+        pass
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except OSError:
+        pass
+    _track(name, False)
+
+
+class _Mapped:
+    """A receiver's read-only mappings of its sender's segments, the latest ``SHM_MAPPED`` kept."""
+
+    def __init__(self):
+        self._maps: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    def view(self, name: str, nbytes: int) -> Optional[np.ndarray]:
+        """The first ``nbytes`` of segment ``name``; None if it cannot be mapped here."""
+        arr = self._maps.get(name)
+        if arr is None or arr.nbytes < nbytes:
+            if not SHM_NAME.fullmatch(name):
+                return None
+            try:
+                fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+            except OSError:
+                return None
+            try:
+                size = os.fstat(fd).st_size
+                if size < nbytes:
+                    return None
+                arr = np.frombuffer(mmap.mmap(fd, size, prot=mmap.PROT_READ), dtype=np.uint8)
+            except (OSError, ValueError):
+                return None
+            finally:
+                os.close(fd)
+            if size <= KEEP_BYTES:
+                self._maps[name] = arr
+        if name in self._maps:
+            self._maps.move_to_end(name)
+            while len(self._maps) > SHM_MAPPED:
+                self._maps.popitem(last=False)  # unmapped once the last view of it goes
+        return arr[:nbytes]
 
 
 class WireError(RuntimeError):
@@ -131,10 +261,12 @@ class KVWireServer(SocketServer):
         self.token, self._check, self._write = token, check, write
         self.counts = {"received": 0, "refused": 0, "broken": 0}
         super().__init__(host, "kv-wire")
+        self.address = (*self.address, shm_host_key())  # a sender with the same key may name a segment
 
     def _serve(self, conn: socket.socket) -> None:
         """One connection: pushes one after another until the sender closes it."""
         staging = Staging(keep=1)  # one push at a time on a connection
+        mapped = _Mapped()
         with conn:
             while not self._closed:
                 try:
@@ -158,20 +290,25 @@ class KVWireServer(SocketServer):
                     self.counts["refused"] += 1
                     _try_send(conn, {"error": why})
                     return  # no payload follows an error; the sender closes its end too
-                if not _try_send(conn, {"go": True}):
-                    return
-                data = staging.take(nbytes)
-                try:
-                    _recv_exact(conn, memoryview(data))
-                except (ConnectionError, OSError):
-                    self.counts["broken"] += 1
-                    return  # a partial payload: nothing is written
+                shared = mapped.view(str(header["shm"]), nbytes) if header.get("shm") else None
+                if shared is not None:  # the payload is in the sender's segment, whole
+                    data = shared
+                else:
+                    if not _try_send(conn, {"go": True}):
+                        return
+                    data = staging.take(nbytes)
+                    try:
+                        _recv_exact(conn, memoryview(data))
+                    except (ConnectionError, OSError):
+                        self.counts["broken"] += 1
+                        return  # a partial payload: nothing is written
                 try:
                     self._write(rid, ids, data)
                 except Exception as e:  # noqa: BLE001 - the sender must learn why, in one line
                     _try_send(conn, {"error": f"{type(e).__name__}: {e}"})
                     return
-                staging.give(data)  # written into the pool: the buffer is free again
+                if shared is None:
+                    staging.give(data)  # written into the pool: the buffer is free again
                 self.counts["received"] += 1
                 if not _try_send(conn, {"ok": True}):
                     return
@@ -191,25 +328,43 @@ class KVWireSender:
 
     def __init__(self, token: str):
         self.token = token
+        self.host_key = shm_host_key()
         self._idle: dict[tuple, list[socket.socket]] = {}
+        self._streamed: set[tuple] = set()  # receivers that could not map a segment: streamed to
         self._lock = threading.Lock()
+        self.counts = {"shared memory": 0, "socket": 0}
 
-    def push(self, address: Sequence, request_id: str, block_ids: Sequence[int], data: np.ndarray) -> int:
+    def can_share(self, address: Sequence) -> bool:
+        """Whether a push to ``address`` may name a shared-memory segment: the receiver sees the
+        same /dev/shm as this process and has not refused a segment before."""
+        return (len(address) > 2 and self.host_key is not None and address[2] == self.host_key
+                and (str(address[0]), int(address[1])) not in self._streamed)
+
+    def push(self, address: Sequence, request_id: str, block_ids: Sequence[int], data: np.ndarray,
+             shm: Optional[str] = None) -> tuple[int, str]:
         """Blocking (run it on a thread): send ``data`` for ``block_ids`` of the receiver's pool and
-        wait until the receiver has written them. Returns the bytes sent; ``WireError`` if not."""
+        wait until the receiver has written them. ``shm``: the name of the shared-memory segment
+        ``data`` lies at the start of (``SharedStaging.name_of``), for the receiver to copy from;
+        it is streamed if the receiver cannot map it. Returns the bytes and how they went
+        ("shared memory" or "socket"); ``WireError`` if they did not land."""
         addr = (str(address[0]), int(address[1]))
         sock, reused = self._take(addr)
+        via = "shared memory"
         try:
-            _send_msg(sock, {"token": self.token, "request": request_id, "blocks": [int(i) for i in block_ids],
-                             "nbytes": int(data.nbytes)})
+            header = {"token": self.token, "request": request_id, "blocks": [int(i) for i in block_ids],
+                      "nbytes": int(data.nbytes)}
+            if shm is not None:
+                header["shm"] = shm
+            _send_msg(sock, header)
             ack = _recv_msg(sock)
             if "go" in ack:
+                via = "socket"
                 sock.sendall(memoryview(data).cast("B"))
                 ack = _recv_msg(sock)
         except (OSError, ConnectionError, ValueError) as e:
             sock.close()
             if reused:  # a kept connection the receiver has let go of (its process restarted): anew
-                return self.push(address, request_id, block_ids, data)
+                return self.push(address, request_id, block_ids, data, shm)
             raise WireError(f"request {request_id!r}: KV push to {addr[0]}:{addr[1]} broke: "
                             f"{type(e).__name__}: {e}") from None
         if "error" in ack:
@@ -217,7 +372,10 @@ class KVWireSender:
             raise WireError(f"request {request_id!r}: the receiver refused the KV: {ack['error']}")
         with self._lock:
             self._idle.setdefault(addr, []).append(sock)
-        return int(data.nbytes)
+            if shm is not None and via == "socket":
+                self._streamed.add(addr)
+            self.counts[via] += 1
+        return int(data.nbytes), via
 
     def _take(self, addr: tuple) -> tuple[socket.socket, bool]:
         """An idle connection to ``addr`` (reused: True), else a new one."""

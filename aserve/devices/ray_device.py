@@ -10,6 +10,7 @@
                                                             cannot connect: +2.5-6 ms a step)
     Handoff:  src.send_kv(..., dst, link) ── A.push_kv ─► bytes over A's socket to B's wire server
               (direct, the default)           ◄─ answered once B has them in its pool
+                                              (on one host: through a shared-memory segment)
               or, --ray-kv object-store:      ── A.export_kv ─► object store ─► B.import_kv ─► A.release
               link.carry: the emulated link time around the real transfer time
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from pathlib import Path
@@ -56,13 +58,23 @@ CLOSE_WAIT_S = 30.0  # how long close waits for a live actor's step in flight
 WIRE_TOKEN = secrets.token_hex(16)
 
 
+def actor_niceness() -> str:
+    """The nice value of the instances' actors: the driver's ``RAY_worker_niceness`` if set, else
+    0. Ray starts its workers at 15 so that its own daemons come first; but these actors are the
+    server's steps, which in one process run at the driver's priority, and at 15 a nice-0
+    process on the host (the driver's own loop, a client) takes ~28x their share of a core
+    whenever both want it (CFS weights 1024 against 36)."""
+    return os.environ.get("RAY_worker_niceness", "0")
+
+
 def actor_options(engine: EngineConfig, num_cpus: float) -> dict:
     """Ray resources of one instance's actor: its share of the CPUs, or one GPU. The actors
     import this same code: its folder goes first on their ``PYTHONPATH`` (hosts that lack the
-    folder use the aserve they have installed, which must be the same version)."""
+    folder use the aserve they have installed, which must be the same version). They run at
+    ``actor_niceness()``."""
     gpus = 0 if engine.device == "cpu" else 1
     return {"num_cpus": num_cpus if not gpus else 1, "num_gpus": gpus,
-            "runtime_env": {"env_vars": {"PYTHONPATH": CODE_ROOT}}}
+            "runtime_env": {"env_vars": {"PYTHONPATH": CODE_ROOT, "RAY_worker_niceness": actor_niceness()}}}
 
 
 class RayDevice(Device):
@@ -72,8 +84,9 @@ class RayDevice(Device):
     def __init__(self, name: str, engine: EngineConfig, bundle: ModelBundle, num_threads: int, num_cpus: float,
                  lease_s: float, start_timeout_s: float, kv_transport: str = "direct",
                  scheduling: Optional[dict] = None, placement: str = ""):
-        """``kv_transport``: direct (actor to actor over a socket of their own, which only this
-        driver's actors may write to: ``WIRE_TOKEN``) or object-store; steps take the step channel
+        """``kv_transport``: direct (actor to actor: through shared memory on one host, else over a
+        socket of their own, which only this driver's actors may write to: ``WIRE_TOKEN``), socket
+        (actor to actor, the socket always) or object-store; steps take the step channel
         either way. ``scheduling``: extra Ray
         options for the actor (its placement group's bundle, its hosts' mark: ray_placement.py),
         which ``placement`` says in words."""
@@ -95,7 +108,9 @@ class RayDevice(Device):
             name, engine, num_threads, lease_s, wire_token=WIRE_TOKEN)
         self.wire_address: Optional[tuple] = None  # the actor's KV wire server, once up
         self.node_id: Optional[str] = None  # the Ray node the actor runs on, once up
-        self.kv_sent = {t: 0 for t in KV_TRANSPORTS}  # hand-overs sent, by how they went
+        self.niceness: Optional[int] = None  # the actor process's nice value, once up
+        # hand-overs sent: actor to actor (of them, through shared memory) or through the object store
+        self.kv_sent = {"direct": 0, "shared-memory": 0, "object-store": 0}
         self._channel: Optional[StepChannel] = None  # the actor's step channel, once up
         self.step_path = "ray call"  # how steps reach the actor: "channel" once its channel is open
         self._info = self.actor.info.remote()
@@ -128,6 +143,10 @@ class RayDevice(Device):
         self.kind = f"ray:{info['device']}@{info['node']}"
         self.wire_address = tuple(info["wire"]) if info.get("wire") else None
         self.node_id = info.get("node_id")
+        self.niceness = info.get("nice")
+        if self.niceness and str(self.niceness) != actor_niceness():
+            log.warning("instance %s: its actor runs at nice %s (asked for %s): its steps yield the CPU to "
+                        "every process of a lower nice value on that host", self.name, self.niceness, actor_niceness())
         if info.get("steps"):
             try:
                 self._channel = await StepChannel.open(info["steps"], WIRE_TOKEN, self.name)
@@ -198,9 +217,9 @@ class RayDevice(Device):
         return await link.carry(request_id, nbytes, num_tokens, copy)
 
     def transport_to(self, dst: "RayDevice") -> str:
-        """How a hand-over to ``dst`` goes: direct where both ends have a wire (both were started
-        with the direct transport and the receiver's server is up), else through the object store."""
-        direct = self.kv_transport == "direct" and self.wire_address is not None and dst.wire_address is not None
+        """How a hand-over to ``dst`` goes: direct (actor to actor) where both ends have a wire and
+        this device was started with the direct or socket transport, else through the object store."""
+        direct = self.kv_transport != "object-store" and self.wire_address is not None and dst.wire_address is not None
         return "direct" if direct else "object-store"
 
     async def _move(self, request_id: str, src_ids: list[int], dst: "RayDevice", dst_ids: list[int]) -> None:
@@ -211,8 +230,10 @@ class RayDevice(Device):
         transport = self.transport_to(dst)
         try:
             if transport == "direct":
-                job = _future(self.actor.push_kv.remote(request_id, src_ids, dst.wire_address, dst_ids))
-                await asyncio.shield(job)
+                job = _future(self.actor.push_kv.remote(request_id, src_ids, dst.wire_address, dst_ids,
+                                                        shared=self.kv_transport == "direct"))
+                pushed = await asyncio.shield(job)
+                self.kv_sent["shared-memory"] += pushed["via"] == "shared memory"
             else:
                 job = _future(self.actor.export_kv.remote(request_id, src_ids))
                 refs = await asyncio.shield(job)

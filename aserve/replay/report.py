@@ -227,7 +227,8 @@ def _kv_summary(kv: Optional[dict]) -> dict:
            "kv_real_s": real, "kv_emulated_s": kv["emulated_s"],
            "kv_real_bytes_per_s": kv["bytes"] / real if real > 0 else None}
     if "sent_direct" in kv:  # Ray: how the hand-overs went between the actors
-        out["kv_via"] = {"direct": int(kv["sent_direct"]), "object-store": int(kv.get("sent_object_store", 0))}
+        out["kv_via"] = {"direct": int(kv["sent_direct"]), "shared-memory": int(kv.get("sent_shared_memory", 0)),
+                         "object-store": int(kv.get("sent_object_store", 0))}
     return out
 
 
@@ -394,9 +395,9 @@ def _rows(systems: dict) -> list[list[str]]:
     rows.append(["stalls (count / s / longest)"] +
                 [f"{x['count']} / {x['seconds']:.2f} s / {x['longest_s']:.2f} s" for x in st])
     if any(s.get("kv_via") for s in systems.values()):  # Ray: how the hand-overs went between actors
-        rows.append(["KV hand-overs direct / object store"] +
-                    [f"{s['kv_via']['direct']} / {s['kv_via']['object-store']}" if s.get("kv_via") else "n/a"
-                     for s in systems.values()])
+        rows.append(["KV hand-overs direct (shared memory) / object store"] +
+                    [f"{s['kv_via']['direct']} ({s['kv_via'].get('shared-memory', 0)}) / "
+                     f"{s['kv_via']['object-store']}" if s.get("kv_via") else "n/a" for s in systems.values()])
     if any(s.get("predictor") for s in systems.values()):  # a backend that timed out shows here, not only in JSON
         rows.append(["predictions / fallbacks"] + [_predictions_cell(s.get("predictor")) for s in systems.values()])
     if any("oracle_gain_kept" in s for s in systems.values()):
