@@ -367,9 +367,9 @@ def render_ray(d: dict, plot: Callable):
     rows = [[f"step ms, {k}", raw(a), raw(b), b / a] for k, (a, b) in steps.items()]
     rows += [[f"step round trip beyond the actor's busy time ms, {k}", "", raw(v), None] for k, v in trip.items()]
     for where, sizes in kv.items():
-        for n, (local, direct, store) in sizes.items():
-            rows.append([f"KV copy GB/s, {n} blocks, {where}: direct (object store)", raw(local),
-                         f"{raw(direct)} ({raw(store)})", direct / local])
+        for n, (local, direct, sock, store) in sizes.items():
+            rows.append([f"KV copy GB/s, {n} blocks, {where}: direct (socket; object store)", raw(local),
+                         f"{raw(direct)} ({raw(sock)}; {raw(store)})", direct / local])
     rows += [[f"{w} replay, {label} (draws)", draws(rep[w]["in-process"], c), draws(rep[w]["ray"], c),
               " / ".join(f"{x:.2f}" for x in ratios(w, c))] for w in rep for c, label in shown.items()]
     t = table(["figure", "in-process", "ray actors", "ray / in-process"], rows)
@@ -403,20 +403,27 @@ def render_ray(d: dict, plot: Callable):
                + ", the systems' order swapped from one draw to the next), Ray's worse draw against one process is "
                + "; ".join(f"{w} " + ", ".join(f"{m} {pct(x, True)}" for m, x in ms.items()) for w, ms in worst.items())
                + (": every figure within the +10% limit. " if not over else f": over +10% on {', '.join(over)}. ")
-               + f"The second system of a draw ran slower whichever it was: Ray's ratios average "
-               f"{pct(statistics.mean(second) - 1, True)} where it ran second and {pct(statistics.mean(first) - 1, True)} "
-               "where it ran first; over both orders (the geometric mean of the draws) "
+               + f"Ray's ratios average {pct(statistics.mean(second) - 1, True)} where it ran second in its draw and "
+               f"{pct(statistics.mean(first) - 1, True)} where it ran first; over both orders (the geometric mean of the draws) "
                + "; ".join(f"{w} " + ", ".join(f"{label.split()[1]} {pct(gmean(ratios(w, c)) - 1, True)}"
                                              for c, label in shown.items()) for w in rep)
                + ". ")
+    aa = {k: v for k, v in d.get("same_system", {}).items() if k not in ("about", "columns")}
+    if aa:  # the measurement's own spread: one system against itself, draw by draw
+        reading += (f"One process against itself in the same way ({', '.join(f'{w} {len(v)} draws' for w, v in aa.items())}) "
+                    "read " + "; ".join(f"{w} " + ", ".join(f"{m} " + " / ".join(pct(x[i] - 1, True) for x in v)
+                                                         for i, m in enumerate(d["same_system"]["columns"]))
+                                        for w, v in aa.items())
+                    + ": a single draw's ratio moves by about as much as the limit. ")
     if one and two:
-        reading += (f"KV goes actor to actor directly by default: across two Ray nodes "
-                    f"{span([v[1] for v in two.values()])} GB/s against the object store's "
-                    f"{span([v[2] for v in two.values()])} GB/s ({span([v[1] / v[2] for v in two.values()], '{:.1f}')}x); "
-                    f"on one node the object store's shared memory keeps it level "
-                    f"({span([v[1] for v in one.values()])} against {span([v[2] for v in one.values()])} GB/s). "
-                    f"Both are far below one process's {span([v[0] for v in one.values()])} GB/s: a socket's or a "
-                    "store's copies between two processes against one index_copy_ in one.")
+        reading += (f"KV goes actor to actor directly by default: between actors on one host through shared memory, "
+                    f"{span([v[1] for v in one.values()])} GB/s against {span([v[2] for v in one.values()])} over a "
+                    f"socket and {span([v[3] for v in one.values()])} through the object store; across two Ray nodes "
+                    f"(--ray-kv socket, as between two hosts) the socket's {span([v[2] for v in two.values()])} GB/s "
+                    f"against the object store's {span([v[3] for v in two.values()])} "
+                    f"({span([v[2] / v[3] for v in two.values()], '{:.1f}')}x). All are below one process's "
+                    f"{span([v[0] for v in one.values()])} GB/s: two copies and a call between two processes against "
+                    "one index_copy_ in one.")
     return t, plot(draw), reading
 
 
