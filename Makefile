@@ -17,9 +17,10 @@ ARGS ?=
 # make test leaves out the tests marked long (make test-long runs only them, make test-all everything):
 # CI's make test stays under 15 minutes on a 2-core AVX2 CPU. CI then runs a few long ones anyway
 # (make test-ci-long: the engine bench end to end, the CLI's disaggregated generate, the coupled split's
-# parity with offline, swap preemption, and the Ray tests that prove a cluster of actors: the same
-# greedy output as in-process over both KV transports, an actor killed mid-run losing no request,
-# and three Ray nodes on this machine: hand-overs across nodes, a node lost mid-run).
+# parity with offline, swap preemption, the Ray tests that prove a cluster of actors: the same
+# greedy output as in-process over the three KV paths, an actor killed mid-run losing no request,
+# and three Ray nodes on this machine: hand-overs across nodes, a node lost mid-run; and the
+# two-minute soak, 2.5 minutes, which took make test to 15:03 on 2026-11-29).
 MARKS ?= not long
 CI_LONG ?= tests/test_bench_engine.py tests/test_cluster.py::test_cli_generate_disagg_equals_offline \
 	"tests/test_cluster.py::test_disagg_and_coupled_match_offline[coupled2]" \
@@ -27,7 +28,8 @@ CI_LONG ?= tests/test_bench_engine.py tests/test_cluster.py::test_cli_generate_d
 	tests/test_ray_cluster.py::test_same_greedy_output_as_in_process \
 	tests/test_ray_cluster.py::test_killed_actor_mid_run_loses_no_request \
 	tests/test_ray_nodes.py \
-	tests/test_prefix_cache_engine.py::test_offline_engine_answers_as_without_the_cache_and_hits
+	tests/test_prefix_cache_engine.py::test_offline_engine_answers_as_without_the_cache_and_hits \
+	tests/test_soak.py::test_two_minute_soak_loses_nothing_and_leaks_nothing
 
 
 .PHONY: serve test test-unit kernels test-long test-ci-long test-all install predictors bench results results-sim-check clean
