@@ -132,7 +132,7 @@ def test_on_one_host_a_push_goes_through_shared_memory(bundle):
         pushed = [await a.push_kv("r", [3, 5, 4], b.wire.address, [7, 1, 2]),
                   await a.push_kv("s", [0, 1], b.wire.address, [0, 3]),  # the same segment, mapped once
                   await a.push_kv("t", [2], b.wire.address[:2], [4])]  # no key: streamed
-        segments = set(a._shared._names.values())
+        segments = set(a._shared.files())
         held = a.held()["pushed via"]
         await a.close()
         await b.close()
@@ -168,6 +168,28 @@ def test_a_segment_the_receiver_cannot_map_is_streamed_and_no_path_is_opened(bun
     sender.close()
     assert b.device.kv.pool[:, :, 1].contiguous().view(torch.uint8).eq(3).all()  # the bytes as sent
     asyncio.run(b.close())
+
+
+def test_shared_staging_keeps_only_its_largest_segments():
+    """Pushes that grow make new segments: the ones neither kept nor lent out are removed at once,
+    so /dev/shm holds at most ``keep`` of them plus those in use."""
+    from aserve.devices import kv_wire
+
+    if kv_wire.shm_host_key() is None:
+        pytest.skip("no /dev/shm here")
+    staging = kv_wire.SharedStaging(keep=2)
+    made = set()
+    for mb in (1, 2, 3, 5, 9, 17):  # each needs a segment larger than any before it
+        buf = staging.take(mb << 20)
+        made.add(staging.name_of(buf))
+        held = staging.take(1 << 20)  # a second one lent out meanwhile: never removed while in use
+        assert Path(kv_wire.SHM_DIR, staging.name_of(held)).exists()
+        staging.give(held)
+        staging.give(buf)
+        live = [n for n in made | set(staging.files()) if Path(kv_wire.SHM_DIR, n).exists()]
+        assert sorted(live) == sorted(staging.files()) and len(live) <= 2
+    staging.close()
+    assert not any(Path(kv_wire.SHM_DIR, n).exists() for n in made)
 
 
 def test_a_killed_sender_leaves_no_segment_behind():

@@ -92,18 +92,22 @@ class Staging:
 
 class SharedStaging(Staging):
     """Staging whose buffers are segments of /dev/shm that a process on this host can map by
-    ``name_of(buffer)``. Each segment is registered with multiprocessing's resource tracker, so a
-    process killed with segments of its own still has them removed; ``close`` removes the rest."""
+    ``name_of(buffer)``. A segment neither lent out nor among the ``keep`` kept is removed at
+    once; each is registered with multiprocessing's resource tracker, so a process killed with
+    segments of its own still has them removed; ``close`` removes the rest."""
 
     def __init__(self, keep: int = 2):
         super().__init__(keep)
-        self._names: dict[int, str] = {}  # id of a segment's array -> its name
+        self._segments: dict[int, tuple[np.ndarray, str]] = {}  # id -> (the segment's array, its name)
+        self._lent: set[int] = set()  # ids of the segments taken and not yet given back
 
     def take(self, nbytes: int) -> np.ndarray:
         with self._lock:
             for i, buf in enumerate(self._free):
                 if buf.nbytes >= nbytes:
-                    return self._free.pop(i)[:nbytes]
+                    base = self._free.pop(i)
+                    self._lent.add(id(base))
+                    return base[:nbytes]
         size = 1 << max(20, (nbytes - 1).bit_length())  # a power of two: fewer segments as pushes grow
         name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -115,24 +119,33 @@ class SharedStaging(Staging):
         _track(name, True)
         base = np.frombuffer(mem, dtype=np.uint8)  # writable: the mapping is
         with self._lock:
-            self._names[id(base)] = name
+            self._segments[id(base)] = (base, name)
+            self._lent.add(id(base))
         return base[:nbytes]
 
     def name_of(self, buf: np.ndarray) -> str:
-        return self._names[id(buf.base if isinstance(buf.base, np.ndarray) else buf)]
+        return self._segments[id(buf.base if isinstance(buf.base, np.ndarray) else buf)][1]
 
     def give(self, buf: np.ndarray) -> None:
         base = buf.base if isinstance(buf.base, np.ndarray) else buf
         super().give(buf)
         with self._lock:
-            kept = any(b is base for b in self._free)
-            name = None if kept else self._names.pop(id(base), None)
-        if name is not None:  # not kept: its name goes now, its memory with the last mapping
+            self._lent.discard(id(base))
+            kept = {id(b) for b in self._free}
+            gone = [i for i in self._segments if i not in kept and i not in self._lent]
+            names = [self._segments.pop(i)[1] for i in gone]
+        for name in names:  # its name goes now, its memory with the last mapping of it
             _unlink(name)
+
+    def files(self) -> list[str]:
+        """The names of this staging's segments (kept or lent out)."""
+        with self._lock:
+            return [name for _, name in self._segments.values()]
 
     def close(self) -> None:
         with self._lock:
-            names, self._names, self._free = list(self._names.values()), {}, []
+            names = [name for _, name in self._segments.values()]
+            self._segments, self._free, self._lent = {}, [], set()
         for name in names:
             _unlink(name)
 
