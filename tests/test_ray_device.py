@@ -12,11 +12,13 @@ import torch
 
 from aserve.config import EngineConfig
 from aserve.engine.bundle import ModelBundle
+from aserve.devices import kv_wire
 from aserve.devices.device_host import DeviceHost
 from scheduling.clock import FakeClock
 from tests.tiny import LLAMA, hf_model, ours
 
 ENGINE = EngineConfig(dtype="fp32", attention="reference", kv_cache_gb=0.001)
+needs_shm = pytest.mark.skipif(kv_wire.shm_host_key() is None, reason="no /dev/shm here")
 
 
 @pytest.fixture(scope="module")
@@ -114,15 +116,12 @@ def test_push_moves_the_blocks_straight_into_the_other_pool(bundle):
     assert not dst_pool[:, :, [0, 3, 4, 5]].any()  # nothing else written
 
 
+@needs_shm
 def test_on_one_host_a_push_goes_through_shared_memory(bundle):
     """Two hosts seeing one /dev/shm: p0 gathers into a segment of its own and names it; d1 copies
     from there, so no payload crosses the socket. A receiver that cannot map the segment (here:
     its address does not carry the key, as another host's would not) is streamed to instead.
     Closing removes the segments."""
-    from aserve.devices import kv_wire
-
-    if kv_wire.shm_host_key() is None:
-        pytest.skip("no /dev/shm here")
     a, b = host(bundle, "p0", token="t0k"), host(bundle, "d1", token="t0k")
     a.device.kv.pool.copy_(torch.randn(a.device.kv.pool.shape))
     src_pool, dst_pool = a.device.kv.pool, b.device.kv.pool
@@ -147,14 +146,11 @@ def test_on_one_host_a_push_goes_through_shared_memory(bundle):
     assert not any(Path(kv_wire.SHM_DIR, n).exists() for n in segments)
 
 
+@needs_shm
 def test_a_segment_the_receiver_cannot_map_is_streamed_and_no_path_is_opened(bundle, tmp_path):
     """A header naming anything but a sender's segment (a path, a name of another form, one that
     does not exist) is not opened: the receiver asks for the bytes on the socket, and the sender
     streams to it from then on."""
-    from aserve.devices import kv_wire
-
-    if kv_wire.shm_host_key() is None:
-        pytest.skip("no /dev/shm here")
     mapped = kv_wire._Mapped()
     secret = tmp_path / "secret"
     secret.write_bytes(b"\x07" * 4096)
@@ -170,13 +166,10 @@ def test_a_segment_the_receiver_cannot_map_is_streamed_and_no_path_is_opened(bun
     asyncio.run(b.close())
 
 
+@needs_shm
 def test_shared_staging_keeps_only_its_largest_segments():
     """Pushes that grow make new segments: the ones neither kept nor lent out are removed at once,
     so /dev/shm holds at most ``keep`` of them plus those in use."""
-    from aserve.devices import kv_wire
-
-    if kv_wire.shm_host_key() is None:
-        pytest.skip("no /dev/shm here")
     staging = kv_wire.SharedStaging(keep=2)
     made = set()
     for mb in (1, 2, 3, 5, 9, 17):  # each needs a segment larger than any before it
@@ -192,16 +185,14 @@ def test_shared_staging_keeps_only_its_largest_segments():
     assert not any(Path(kv_wire.SHM_DIR, n).exists() for n in made)
 
 
+@needs_shm
 def test_a_killed_sender_leaves_no_segment_behind():
     """A process killed while it holds segments: multiprocessing's resource tracker removes them."""
     import signal
     import subprocess
     import sys
 
-    from aserve.devices import kv_wire
 
-    if kv_wire.shm_host_key() is None:
-        pytest.skip("no /dev/shm here")
     code = ("import sys, time; from aserve.devices.kv_wire import SharedStaging; s = SharedStaging(); "
             "b = s.take(3 << 20); b[:] = 1; print(s.name_of(b), flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,

@@ -69,7 +69,8 @@ def shm_host_key() -> Optional[str]:
 
 
 class Staging:
-    """Reusable byte buffers (flat uint8 numpy): the ``keep`` largest given back, none over ``KEEP_BYTES``."""
+    """Reusable byte buffers (flat uint8 numpy): the ``keep`` largest given back, none over
+    ``KEEP_BYTES``. A subclass makes its buffers in ``_new`` and hears of each one let go in ``_drop``."""
 
     def __init__(self, keep: int = 2):
         self.keep, self._free, self._lock = keep, [], threading.Lock()
@@ -79,35 +80,39 @@ class Staging:
             for i, buf in enumerate(self._free):
                 if buf.nbytes >= nbytes:
                     return self._free.pop(i)[:nbytes]
-        return np.empty(nbytes, dtype=np.uint8)
+        return self._new(nbytes)
 
     def give(self, buf: np.ndarray) -> None:
         base = buf.base if isinstance(buf.base, np.ndarray) else buf
+        dropped = [base]
         if base.nbytes <= KEEP_BYTES:
             with self._lock:  # the largest are kept: each serves every smaller push too
                 self._free.append(base)
                 self._free.sort(key=lambda b: b.nbytes, reverse=True)
+                dropped = self._free[self.keep:]
                 del self._free[self.keep:]
+        for b in dropped:
+            self._drop(b)
+
+    def _new(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def _drop(self, base: np.ndarray) -> None:
+        """``base`` is no longer kept (nor lent out): a plain buffer goes with its last reference."""
 
 
 class SharedStaging(Staging):
     """Staging whose buffers are segments of /dev/shm that a process on this host can map by
-    ``name_of(buffer)``. A segment neither lent out nor among the ``keep`` kept is removed at
-    once; each is registered with multiprocessing's resource tracker, so a process killed with
-    segments of its own still has them removed; ``close`` removes the rest."""
+    ``name_of(buffer)``. A segment let go (neither lent out nor among the ``keep`` kept) is
+    removed at once; each is registered with multiprocessing's resource tracker, so a process
+    killed with segments of its own still has them removed; ``close`` removes the rest."""
 
     def __init__(self, keep: int = 2):
         super().__init__(keep)
-        self._segments: dict[int, tuple[np.ndarray, str]] = {}  # id -> (the segment's array, its name)
-        self._lent: set[int] = set()  # ids of the segments taken and not yet given back
+        # id of a segment's array -> (the array, held so that its id stays its own, and the segment's name)
+        self._segments: dict[int, tuple[np.ndarray, str]] = {}
 
-    def take(self, nbytes: int) -> np.ndarray:
-        with self._lock:
-            for i, buf in enumerate(self._free):
-                if buf.nbytes >= nbytes:
-                    base = self._free.pop(i)
-                    self._lent.add(id(base))
-                    return base[:nbytes]
+    def _new(self, nbytes: int) -> np.ndarray:
         size = 1 << max(20, (nbytes - 1).bit_length())  # a power of two: fewer segments as pushes grow
         name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -120,22 +125,16 @@ class SharedStaging(Staging):
         base = np.frombuffer(mem, dtype=np.uint8)  # writable: the mapping is
         with self._lock:
             self._segments[id(base)] = (base, name)
-            self._lent.add(id(base))
         return base[:nbytes]
 
     def name_of(self, buf: np.ndarray) -> str:
         return self._segments[id(buf.base if isinstance(buf.base, np.ndarray) else buf)][1]
 
-    def give(self, buf: np.ndarray) -> None:
-        base = buf.base if isinstance(buf.base, np.ndarray) else buf
-        super().give(buf)
+    def _drop(self, base: np.ndarray) -> None:
         with self._lock:
-            self._lent.discard(id(base))
-            kept = {id(b) for b in self._free}
-            gone = [i for i in self._segments if i not in kept and i not in self._lent]
-            names = [self._segments.pop(i)[1] for i in gone]
-        for name in names:  # its name goes now, its memory with the last mapping of it
-            _unlink(name)
+            seg = self._segments.pop(id(base), None)
+        if seg is not None:  # its name goes now, its memory with the last mapping of it
+            _unlink(seg[1])
 
     def files(self) -> list[str]:
         """The names of this staging's segments (kept or lent out)."""
@@ -145,7 +144,7 @@ class SharedStaging(Staging):
     def close(self) -> None:
         with self._lock:
             names = [name for _, name in self._segments.values()]
-            self._segments, self._free, self._lent = {}, [], set()
+            self._segments, self._free = {}, []
         for name in names:
             _unlink(name)
 

@@ -144,7 +144,7 @@ class RayDevice(Device):
         self.wire_address = tuple(info["wire"]) if info.get("wire") else None
         self.node_id = info.get("node_id")
         self.niceness = info.get("nice")
-        if self.niceness and str(self.niceness) != actor_niceness():
+        if self.niceness is not None and str(self.niceness) != actor_niceness():
             log.warning("instance %s: its actor runs at nice %s (asked for %s): its steps yield the CPU to "
                         "every process of a lower nice value on that host", self.name, self.niceness, actor_niceness())
         if info.get("steps"):
