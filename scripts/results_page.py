@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -373,7 +372,8 @@ def render_ray(d: dict, plot: Callable):
     rows += [[f"{w} replay, {label} (draws)", draws(rep[w]["in-process"], c), draws(rep[w]["ray"], c),
               " / ".join(f"{x:.2f}" for x in ratios(w, c))] for w in rep for c, label in shown.items()]
     t = table(["figure", "in-process", "ray actors", "ray / in-process"], rows)
-    lat = [(f"{w}: {label.split()[1]}", max(ratios(w, c)) - 1) for w in rep for c, label in shown.items()]
+    worst = {w: {label.split()[1]: max(ratios(w, c)) - 1 for c, label in shown.items()} for w in rep}
+    lat = [(f"{w}: {m}", x) for w, ms in worst.items() for m, x in ms.items()]
 
     def draw(ax):
         ys = range(len(lat))[::-1]
@@ -382,14 +382,10 @@ def render_ray(d: dict, plot: Callable):
         ax.set_yticks(list(ys), [n for n, _ in lat], fontsize=8)
         ax.set_xlabel("ray's cost over one process, worse draw, % (limit +10%)")
 
-    worst = {w: {label.split()[1]: max(ratios(w, c)) - 1 for c, label in shown.items()} for w in rep}
     over = [f"{w} {m}" for w, ms in worst.items() for m, x in ms.items() if x > 0.10]
     one, two = kv.get("one node", {}), kv.get("two nodes", {})
     before, after = (trip[k] for k in list(trip)[:2])
     steps_lo, steps_hi = min(b / a - 1 for a, b in steps.values()), max(b / a - 1 for a, b in steps.values())
-
-    def gmean(xs):
-        return math.prod(xs) ** (1 / len(xs))
 
     def by_order(w, c, when):
         return [x for x, o in zip(ratios(w, c), rep[w]["ray_ran"]) if o == when]  # Ray first or second of a draw
@@ -405,7 +401,7 @@ def render_ray(d: dict, plot: Callable):
                + (": every figure within the +10% limit. " if not over else f": over +10% on {', '.join(over)}. ")
                + f"Ray's ratios average {pct(statistics.mean(second) - 1, True)} where it ran second in its draw and "
                f"{pct(statistics.mean(first) - 1, True)} where it ran first; over both orders (the geometric mean of the draws) "
-               + "; ".join(f"{w} " + ", ".join(f"{label.split()[1]} {pct(gmean(ratios(w, c)) - 1, True)}"
+               + "; ".join(f"{w} " + ", ".join(f"{label.split()[1]} {pct(statistics.geometric_mean(ratios(w, c)) - 1, True)}"
                                              for c, label in shown.items()) for w in rep)
                + ". ")
     aa = {k: v for k, v in d.get("same_system", {}).items() if k not in ("about", "columns")}
