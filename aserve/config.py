@@ -75,6 +75,7 @@ DEVICE_BACKENDS = ("local", "ray")  # where instances run (ClusterConfig.backend
 RAY_KV_TRANSPORTS = ("direct", "socket", "object-store")  # how KV goes between Ray actors (aserve/devices/kv_wire.py)
 RAY_PLACEMENTS = ("auto", "pools", "spread", "pack")  # aserve/devices/ray_placement.py
 TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
+DEVICE_SHARES = ("shared", "lend", "dedicated")
 PREDICTOR_FEATURES = ("auto", "prefill", "prompt")
 
 
@@ -161,7 +162,9 @@ class ClusterConfig:
     # KV that never arrives are freed, and prefilled KV no decode instance has had room for is
     # released (then on_transfer_failure applies)
     lease_s: float = 60.0
-    device_share: str = "shared"  # shared | dedicated: emulate one device per instance (aserve/devices/device.py, CoreShare)
+    # shared | lend: an idle instance's cores go to busy ones' steps (aserve/devices/cores.py) | dedicated:
+    # emulate one device per instance (aserve/devices/device.py, CoreShare)
+    device_share: str = "shared"
     # where instances' devices live: local (threads of this process) | ray (a Ray actor each, on a
     # local Ray sized to this machine) | ray:ADDRESS (on the running Ray cluster at ADDRESS, or auto)
     backend: str = "local"
@@ -202,8 +205,8 @@ class ClusterConfig:
                 continue  # measured at start-up
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.device_share not in ("shared", "dedicated"):
-            raise ValueError(f"bad device_share {self.device_share!r}: shared or dedicated")
+        if self.device_share not in DEVICE_SHARES:
+            raise ValueError(f"bad device_share {self.device_share!r}: {', '.join(DEVICE_SHARES)}")
         if self.transfer_retries < 0:
             raise ValueError(f"transfer_retries must be >= 0, got {self.transfer_retries}")
         if self.rebalance_quiet_s < 0:

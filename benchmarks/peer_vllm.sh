@@ -64,6 +64,8 @@ start_server() {  # $1: server name; echoes the pid
     aserve)          cd "$ROOT" && exec "${aserve[@]}" ;;
     aserve-disagg)   cd "$ROOT" && exec "${aserve[@]}" --mode disagg --prefill 1 --decode 1 ;;
     aserve-adaptive) cd "$ROOT" && exec "${aserve[@]}" --mode adaptive ;;
+    aserve-shared)   cd "$ROOT" && exec "${aserve[@]}" --device-share shared ;;
+    aserve-lend)     cd "$ROOT" && exec "${aserve[@]}" --device-share lend ;;
     vllm-default)    exec "${vllm[@]}" ;;
     vllm-best)       VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 exec "${vllm[@]}" ;;
     *) echo "unknown server $1" >&2; return 1 ;;

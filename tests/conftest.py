@@ -38,7 +38,7 @@ def kernels(pytestconfig) -> str:
 # test_control_plane.py). Its tests are marked ``unit``; the rest of make test follows them in CI.
 UNIT_MODULES = frozenset({
     "test_adaptive_policies", "test_adaptive_table", "test_alise", "test_baseline_rules",
-    "test_batching_invariants", "test_cli_spellings", "test_control_plane", "test_decode_policies", "test_dispatch",
+    "test_batching_invariants", "test_cli_spellings", "test_core_lending", "test_control_plane", "test_decode_policies", "test_dispatch",
     "test_fig_ablation", "test_flip_policies", "test_netemu_link", "test_predictors_agreement", "test_predictors_base",
     "test_predictor_share", "test_prefill_policies", "test_prefix_cache", "test_release_memory", "test_results_page",
     "test_sim_heldout", "test_step_channel", "test_step_drift", "test_step_speed", "test_placement_slo", "test_slo_budget", "test_profile_checks",

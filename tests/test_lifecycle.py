@@ -213,3 +213,29 @@ def test_dedicated_device_emulation_paces_each_instance(default_bundle_fp32):
     with pytest.raises(ValueError, match="bad device_share"):
         ClusterConfig(device_share="private")
     asyncio.run(main("shared"))
+
+
+def test_lent_cores_serve_a_lone_prompt_and_change_no_token(default_bundle_fp32):
+    """device_share lend (aserve/devices/cores.py), 2 coupled instances on 2 threads: a lone
+    prompt's chunks take both threads (its idle sibling's too), its decode steps one, and the
+    greedy tokens are those of the same cluster without lending; two prompts at once keep one
+    thread each (nothing lent while both have work)."""
+    prompt = list(range(200, 456))
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    async def main(share, together=False):
+        eng = EngineConfig(dtype="fp32", kv_cache_gb=0.25, num_threads=2, max_num_batched_tokens=64)
+        async with Cluster(eng, ClusterConfig(mode="coupled", num_coupled=2, device_share=share),
+                           bundle=default_bundle_fp32) as cl:
+            prompts = [prompt, prompt[::-1]] if together else [prompt]
+            outs = await asyncio.gather(*[cl.generate(p, greedy) for p in prompts])
+            lender = cl.core_share.lender
+            return [list(o.output_token_ids) for o in outs], (dict(lender.counts) if lender else None)
+
+    alone, counts = asyncio.run(main("lend"))
+    assert counts["lent_steps"] >= 4  # the prompt's four 64-token chunks on both threads
+    assert counts["steps"] - counts["lent_steps"] >= 7  # its decode steps (one row) on one
+    assert alone == asyncio.run(main("shared"))[0]
+    together, counts = asyncio.run(main("lend", together=True))
+    assert len(together) == 2 and all(len(t) == 8 for t in together)
+    assert counts["lent_steps"] <= 2  # at most before the second prompt's instance woke

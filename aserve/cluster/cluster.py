@@ -41,6 +41,7 @@ from aserve.cluster.lifecycle import Lifecycle
 from aserve.cluster.requests import EventLog, RequestHandle, TokenEvent
 from aserve.config import ClusterConfig, EngineConfig
 from aserve.engine.bundle import ModelBundle
+from aserve.devices.cores import lender_for
 from aserve.devices.device import CoreShare, Device
 from aserve.devices.factory import DeviceFactory, load_bundle
 from aserve.devices.measured import resolve
@@ -70,7 +71,10 @@ class Cluster:
         self.counts = {"finished": 0, "aborted": 0, "failed": 0}
         self._outputs_seen = (0, 0)  # (requests finished, their output tokens): mean_output_tokens
         self.devices = DeviceFactory(engine, cfg)  # which device each instance gets, and Ray's connection
-        self.core_share = CoreShare(cfg.device_share == "dedicated" and engine.device == "cpu", self.devices.cores())
+        cores = self.devices.cores()
+        self.core_share = CoreShare(cfg.device_share == "dedicated" and engine.device == "cpu", cores,
+                                    lender=lender_for(cfg.device_share, engine.device, cores)
+                                    if cfg.backend == "local" else None)
         self.lifecycle = Lifecycle(cfg, self.clock, self.log, self)
         self.handoff = Handoff(cfg, self.clock, self.log, self.instances, self.finish, self.lifecycle.rerun,
                                self.lifecycle.recompute, spawn=self.spawn)

@@ -202,9 +202,10 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
     g.add_argument("--ray-placement", default="auto", metavar="auto|pools|spread|pack",
                    help="--cluster ray: auto (Ray's scheduler) | pools (a placement group per role, PACK) | "
                         "spread | pack (one group over every instance); hosts marked aserve_ROLE take that role")
-    g.add_argument("--device-share", default="shared",
-                   help="shared: instances share the CPU's cores | dedicated: emulate one device per instance "
-                        "(cores/N of a core each, an idle instance's share is lost), as on GPUs")
+    g.add_argument("--device-share", default="shared", metavar="shared|lend|dedicated",
+                   help="shared: instances share the CPU's cores, cores/N threads each | lend: as shared, and an "
+                        "idle instance's threads join a busy one's steps (serve's default) | dedicated: emulate one device per "
+                        "instance (cores/N of a core each, an idle instance's share is lost), as on GPUs")
 
 
 def engine_and_cluster(a: argparse.Namespace, context: Optional[int] = None, slo=None):

@@ -79,7 +79,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "(--tbt-slo gap by default). Default: balanced")
     add_cluster_args(p, default_mode=SERVE_MODE)
     add_engine_args(p)
-    p.set_defaults(func=cmd_serve, predictor=None)  # None: serve_predictor.py picks, and says why
+    # None: serve_predictor.py picks, and says why. Cores follow the load when serving: a lone prompt
+    # prefills on every core (TTFT at one stream 746 against 450 ms, docs/notes/peer.md, issue 60)
+    p.set_defaults(func=cmd_serve, predictor=None, device_share="lend")
     return p
 
 

@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from aserve.devices.cores import CoreLender
 from scheduling.step import StepOutput, StepPlan
 
 
@@ -45,6 +46,7 @@ class CoreShare:
     live: int = 1
     busy: set = field(default_factory=set)  # devices stepping right now (simulated ones read it: a shared bus)
     first_step_at: Optional[float] = None  # loop time of the first step any of them took (a speed trace's zero)
+    lender: Optional[CoreLender] = None  # device_share "lend": idle instances' cores go to busy ones' steps
 
     def slowdown(self) -> float:
         """How much slower than one borrowed core each instance's emulated device is (>= 1)."""
@@ -84,6 +86,10 @@ class Device(ABC):
         """Run what a first step would pay for once, before serving (lazy set-up: a thread's
         OpenMP team, packed weights, the allocator's first pools), in ``block_ids`` (at least two,
         taken from the instance's block manager and given back after). Nothing by default."""
+
+    def set_idle(self, idle: bool) -> None:
+        """The instance's step loop waits for work (``idle``) or has some again: a device whose
+        cores can be lent (``CoreShare.lender``) tells the lender. Nothing by default."""
 
     def describe(self) -> str:
         """One start-up line: where the device runs and what it holds."""

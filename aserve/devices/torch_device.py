@@ -95,6 +95,9 @@ class TorchDevice(Device):
                                                                initializer=_init_thread,
                                                                initargs=(num_threads, cfg.device))
         self._copier: Optional[ThreadPoolExecutor] = None  # the copy thread, made at the first send
+        self.lender = self.share.lender if cfg.device == "cpu" and not inline else None
+        if self.lender is not None:
+            self.lender.join(name, num_threads)
 
     @property
     def kind(self) -> str:
@@ -110,11 +113,26 @@ class TorchDevice(Device):
         return text
 
     async def _execute(self, plan: StepPlan) -> StepOutput:
+        if self.lender is None:
+            return await self._execute_on(plan, None)
+        threads = await self.lender.take(self.name, plan.num_real_tokens)
+        try:
+            return await self._execute_on(plan, threads)
+        finally:
+            self.lender.give(self.name)
+
+    def set_idle(self, idle: bool) -> None:
+        if self.lender is not None:
+            self.lender.set_idle(self.name, idle)
+
+    async def _execute_on(self, plan: StepPlan, threads: Optional[int]) -> StepOutput:
+        """The step on the executor thread, at ``threads`` torch threads (None: as it is)."""
         t0 = time.perf_counter()
         if self.executor is None:
             out, cpu_s = self._timed_execute(plan)
         else:
-            out, cpu_s = await asyncio.get_running_loop().run_in_executor(self.executor, self._timed_execute, plan)
+            out, cpu_s = await asyncio.get_running_loop().run_in_executor(self.executor, self._timed_execute, plan,
+                                                                          threads)
         busy_s = time.perf_counter() - t0
         self.cpu_s += cpu_s
         device_s = cpu_s * self.share.slowdown() if self.cfg.device == "cpu" else 0.0
@@ -144,8 +162,11 @@ class TorchDevice(Device):
         self.cpu_s += cpu_s
         return dataclasses.replace(out, busy_s=time.perf_counter() - t0)
 
-    def _timed_execute(self, plan: StepPlan) -> tuple[StepOutput, float]:
-        """The step, and the CPU seconds this (executor) thread spent on it."""
+    def _timed_execute(self, plan: StepPlan, threads: Optional[int] = None) -> tuple[StepOutput, float]:
+        """The step (at ``threads`` torch threads, if given), and the CPU seconds this (executor)
+        thread spent on it (not its OpenMP workers')."""
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)  # this thread's OpenMP team only
         c0 = time.thread_time()
         out = self.runner.execute(plan)
         return out, time.thread_time() - c0
@@ -180,4 +201,6 @@ class TorchDevice(Device):
         for pool in (self._copier, self.executor):
             if pool is not None:
                 await asyncio.to_thread(pool.shutdown, True)
+        if self.lender is not None:
+            self.lender.leave(self.name)
         self.runner = self.kv = None

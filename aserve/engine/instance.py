@@ -160,8 +160,13 @@ class Instance:
             self.wake.set()
 
     async def _idle(self) -> None:
+        """Wait for work; meanwhile the device's cores may serve other instances' steps."""
         self.wake.clear()
-        await self.wake.wait()
+        self.device.set_idle(True)
+        try:
+            await self.wake.wait()
+        finally:
+            self.device.set_idle(False)
 
     async def halt(self) -> None:
         """Stop the loop (a step already on the device runs to its end unseen)."""
