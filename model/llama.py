@@ -98,9 +98,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)  # [T, hidden]
         if self._native_step(x, meta):
             cos, sin = self.rope.cos[positions].float(), self.rope.sin[positions].float()
-            hidden, taps = native.llama_forward(x, cos, sin, self._step_weights(), self.norm.weight, kv, meta,
+            weights = self._step_weights()
+            hidden, taps = native.llama_forward(x, cos, sin, weights, self.norm.weight, kv, meta,
                                                 self.args.num_heads, self.args.norm_eps, self.layers[0].attn.scale,
-                                                tap_layer, tap_rows)
+                                                tap_layer, tap_rows, *self._wide_weights(x.shape[0]))
             return hidden, taps if tap_layer else None
         rope = self.rope.tables(positions, x.dtype)
         taps = None
@@ -136,6 +137,22 @@ class LlamaForCausalLM(nn.Module):
         if key != self._step_key:
             self._step_packed, self._step_key = native.step_weights(self._step_params), key
         return self._step_packed
+
+    def _wide_weights(self, rows: int) -> tuple[list, int]:
+        """The fp32 copies of each layer's four matrices and the rows from which a step uses them
+        (``native.wide_rows``: measured on this model's layer shapes at the step's thread count,
+        once a process), or nothing for a step below that. Made at the first step once that is
+        measured (the default model: 424 MB more), and remade with the packed list."""
+        if getattr(self, "_wide_shapes", None) is None:
+            self._wide_shapes = tuple(tuple(w.shape) for i, w in enumerate(self._step_params[:6]) if i % 6 in (1, 2, 4, 5))
+            self._wide_key = None
+        wide_from = native.wide_rows(self._wide_shapes, torch.get_num_threads())
+        if not wide_from:
+            return [], 0
+        if self._wide_key != self._step_key:  # made as soon as they may be used (a warm-up step makes them)
+            self._wide_list = [native.wide(w) for i, w in enumerate(self._step_params) if i % 6 in (1, 2, 4, 5)]
+            self._wide_key = self._step_key
+        return (self._wide_list, wide_from) if rows >= wide_from else ([], 0)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""

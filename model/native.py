@@ -5,10 +5,15 @@ cached under ~/.cache/torch_extensions/aserve), and skipped with a clear reason 
   with a bf16 fast path in ``paged_decode_bf16.cpp``);
 - ``linear`` and ``silu_mul``: bf16 matrix products on CPUs with AVX512-BF16 over weights packed
   once, on first use, into the layout of ``model/csrc/gemm_bf16.cpp`` (faster than torch's
-  matmul at every batch size measured, 1 to 512 rows, so every bf16 CPU linear goes there);
+  matmul at every batch size measured on a Zen 4 EPYC, 1 to 512 rows, so every bf16 CPU linear
+  goes there, except ``llama_forward``'s wide steps below);
 - ``paged_prefill``: causal attention of prompt chunks over the pool, bf16 (``paged_prefill_bf16.cpp``);
 - ``llama_forward``: a whole step of a bf16 LLaMA model (prompt chunks and decode tokens) in one
   call (``model/csrc/llama_forward.cpp``), so the ~25 small ops per layer are not dispatched one by one.
+  Its products go through the packed kernel, or, in steps of at least ``wide_rows`` rows, through
+  torch's fp32 GEMM over fp32 copies of the weights (``wide``): on CPUs whose bf16 dot products are
+  no faster than fp32 FMAs (a Xeon with AVX512-BF16 and no AMX) MKL's fp32 GEMM does prompt chunks
+  1.5-1.8x faster than the packed kernel; ``wide_rows`` measures which is faster, once a process.
 
 The packed copy of a weight lives on the weight tensor itself (an attribute) and is remade when
 the weight changes in place or moves: a bf16 model on the CPU holds its weights twice (the
@@ -35,8 +40,9 @@ import os
 import platform
 import shutil
 import subprocess
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +51,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [str(_CSRC / name) for name in
             ("paged_attention.cpp", "paged_decode_bf16.cpp", "paged_prefill_bf16.cpp", "gemm_bf16.cpp",
              "llama_forward.cpp")]
-_VERSION = "aserve_native_v9"
+_VERSION = "aserve_native_v10"
 KERNELS = ("auto", "native", "unfused", "fallback")  # EngineConfig.kernels (see the module doc)
 
 
@@ -247,6 +253,79 @@ def prefill_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and heads % kv_heads == 0 and heads // kv_heads <= 8 and bf16_linear_available())
 
 
+WIDE_ROWS_TRIED = (32, 64, 128, 256)  # step sizes wide_rows compares the two products at
+WIDE_GAIN = 1.15  # the fp32 GEMM is taken where it was at least this much faster
+
+
+def wide(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 copy of a bf16 ``weight`` [N, K] for ``llama_forward``'s wide products, made on
+    first use and remade if the weight changed since (kept on the weight, as ``packed``)."""
+    cached = getattr(weight, "_aserve_wide", None)
+    if cached is not None and cached[0] == weight._version and cached[1] == weight.data_ptr():
+        return cached[2]
+    w32 = weight.detach().float().contiguous()
+    weight._aserve_wide = (weight._version, weight.data_ptr(), w32)
+    return w32
+
+
+@functools.lru_cache(maxsize=None)
+def wide_rows(shapes: tuple, threads: int) -> int:
+    """The fewest rows of a step from which its products (``shapes``: each product's (outputs,
+    inputs), a layer's four) go through torch's fp32 GEMM over ``wide`` copies instead of the
+    packed bf16 kernel, at ``threads`` torch threads (the caller's); 0: never. Measured once a
+    process per thread count (0.1-0.5 s): a layer's products timed both ways in turns at
+    ``WIDE_ROWS_TRIED`` rows; the smallest size from which fp32 is ``WIDE_GAIN`` faster at every
+    larger size is taken. Where bf16 dot products run no faster than fp32 FMAs, the packed
+    kernel's sums cost as much as fp32's and MKL's blocking does better: on a 2-core Xeon
+    (AVX512-BF16, no AMX) at one thread, 256 rows of the default model's gate-up product took
+    10.3 ms packed against 6.0 in fp32 (151 GFLOP/s); on the 2-core EPYC (Zen 4) the packed
+    kernel led at every size. ``ASERVE_WIDE_ROWS=N`` sets it (0: never)."""
+    env = os.environ.get("ASERVE_WIDE_ROWS")
+    if env is not None:
+        if not env.isdigit():
+            raise ValueError(f"ASERVE_WIDE_ROWS must be a whole number of rows (0: never), got {env!r}")
+        return int(env)
+    if not bf16_linear_available():
+        return 0
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        mod = load()
+        weights = []
+        for n, k in shapes:
+            w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+            weights.append((n, k, mod.pack_bf16(w, mod.ORDER_PLAIN), w.float()))
+        faster = []
+        for rows in WIDE_ROWS_TRIED:
+            xs = {k: torch.randn(rows, k, generator=gen).to(torch.bfloat16) for _, k, _, _ in weights}
+
+            def packed_layer():
+                for n, k, p, _ in weights:
+                    mod.linear_packed(xs[k], p, n, None)
+
+            def wide_layer():
+                for _, k, _, w32 in weights:
+                    F.linear(xs[k].float(), w32).bfloat16()
+
+            times = {packed_layer: [], wide_layer: []}
+            for rep in range(6):  # the first of each unmeasured: MKL sets itself up on its first calls
+                for run, seen in times.items():
+                    t0 = time.perf_counter()
+                    run()
+                    if rep:
+                        seen.append(time.perf_counter() - t0)
+            faster.append(min(times[packed_layer]) >= WIDE_GAIN * min(times[wide_layer]))
+    finally:
+        torch.set_num_threads(before)
+    cut = 0
+    for rows, ok in zip(reversed(WIDE_ROWS_TRIED), reversed(faster)):
+        if not ok:
+            break
+        cut = rows
+    return cut
+
+
 def step_weights(params: list) -> list:
     """``llama_forward``'s weights from the six Parameters of each layer (attn_norm, qkv, o,
     mlp_norm, gate_up, down): the norms as they are, the four matrices packed."""
@@ -259,18 +338,23 @@ def step_weights(params: list) -> list:
 
 def llama_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: list, final_norm: torch.Tensor,
                   kv: torch.Tensor, meta, num_heads: int, eps: float, scale: float, tap_layer: int = 0,
-                  tap_rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  tap_rows: Optional[torch.Tensor] = None, wide_weights: Sequence[torch.Tensor] = (),
+                  wide_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole step through every layer (prompt chunks, decode tokens, pad rows): x [T, E] bf16
     embeddings -> (final-normed hidden [T, E], taps [R, E]): the taps are ``tap_rows`` after
     ``tap_layer`` layers through the final norm (empty unless asked); ``weights`` as
-    ``step_weights`` makes them; ``meta`` is the step's ``AttentionMeta``."""
+    ``step_weights`` makes them; ``meta`` is the step's ``AttentionMeta``. A step of at least
+    ``wide_from`` rows (0: none) takes its products through torch's fp32 GEMM over
+    ``wide_weights`` (qkv, o, gate_up, down of each layer in fp32, ``wide``; see ``wide_rows``)."""
     seqs, seq_tables = meta.chunk_tables
     dec_tables, dec_lens = meta.decode_block_tables, meta.decode_ctx_lens
     if dec_tables is None:
         dec_tables, dec_lens = _NO_ROWS, _NO_ROWS[:, 0]
     return tuple(load().llama_forward(x, cos, sin, weights, final_norm, kv, meta.slot_mapping, seqs, seq_tables,
                                       dec_tables, dec_lens, num_heads, eps, scale, tap_layer,
-                                      _NO_ROWS[:, 0] if tap_rows is None else tap_rows))
+                                      _NO_ROWS[:, 0] if tap_rows is None else tap_rows,
+                                      list(wide_weights) if wide_from and x.shape[0] >= wide_from else [],
+                                      wide_from))
 
 
 _NO_ROWS = torch.zeros(0, 3, dtype=torch.long)  # no chunk (as [P, 3]) or no decode row

@@ -269,6 +269,53 @@ def test_llama_forward_step_matches_op_by_op(kind):
     assert (fused - exact).abs().max().item() <= 1.25 * (op_by_op - exact).abs().max().item() + 5e-3
 
 
+@needs_bf16
+@pytest.mark.parametrize("kind", list(STEPS))
+def test_wide_products_step_matches_the_packed_step(kind, monkeypatch):
+    """A step whose products go through the fp32 GEMM (``native.wide_rows``, forced here for
+    every step) gives the packed step's hidden states and K/V within bf16 rounding, and is as
+    close to an fp32 run: the fallback of CPUs where the packed kernel leads, kept in step."""
+    model, runner, step, (r32, m32) = _llama_setup(kind, "native", "native")
+    before_kv = runner.kv.pool.clone()
+    with torch.inference_mode():
+        ids, pos, meta, *_ = runner._prepare(step)
+        monkeypatch.setenv("ASERVE_WIDE_ROWS", "0")
+        native.wide_rows.cache_clear()
+        packed = model(ids, pos, meta, runner.kv.pool).float()
+        packed_kv = runner.kv.pool.clone()
+        runner.kv.pool.copy_(before_kv)
+        monkeypatch.setenv("ASERVE_WIDE_ROWS", "1")
+        native.wide_rows.cache_clear()
+        wide = model(ids, pos, meta, runner.kv.pool).float()
+        assert len(model._wide_list) == 4 * len(model.layers)  # it went the wide way
+        ids32, pos32, meta32, *_ = r32._prepare(step)
+        exact = m32(ids32, pos32, meta32, r32.kv.pool)
+    native.wide_rows.cache_clear()
+    real = meta.num_real_tokens
+    wide, packed, exact = wide[:real], packed[:real], exact[:real]
+    assert (packed_kv.float() - runner.kv.pool.float()).abs().max().item() <= 4e-3
+    assert ((wide - packed).abs() <= 2 ** -5 * packed.abs() + 1e-2).all()
+    assert (wide - exact).abs().max().item() <= 1.25 * (packed - exact).abs().max().item() + 5e-3
+
+
+def test_wide_rows_is_measured_or_set(monkeypatch):
+    """Unset, the cut is one of the sizes tried (or 0: never); ``ASERVE_WIDE_ROWS`` sets it, and a
+    value that is not a row count is refused by name."""
+    monkeypatch.delenv("ASERVE_WIDE_ROWS", raising=False)
+    native.wide_rows.cache_clear()
+    try:
+        assert native.wide_rows(((96, 64), (64, 64)), 1) in (0, *native.WIDE_ROWS_TRIED)
+        monkeypatch.setenv("ASERVE_WIDE_ROWS", "48")
+        native.wide_rows.cache_clear()
+        assert native.wide_rows(((96, 64),), 1) == 48
+        monkeypatch.setenv("ASERVE_WIDE_ROWS", "many")
+        native.wide_rows.cache_clear()
+        with pytest.raises(ValueError, match="ASERVE_WIDE_ROWS"):
+            native.wide_rows(((96, 64),), 1)
+    finally:
+        native.wide_rows.cache_clear()
+
+
 @pytest.mark.parametrize("kind", list(STEPS))
 @pytest.mark.parametrize("kernels,backend", [pytest.param("native", "native", marks=needs_bf16),
                                              pytest.param("unfused", "native", marks=needs_bf16),
@@ -396,7 +443,7 @@ def test_build_is_named_after_the_instruction_set():
     avx512 = "#define __AVX2__ 1\n#define __AVX512F__ 1"
     assert native.isa_key(avx512) == native.isa_key(avx512) and len(native.isa_key(avx512)) == 12
     assert native.isa_key(avx512) != native.isa_key(avx512 + "\n#define __AVX512BF16__ 1")
-    assert native.build_name().startswith(f"aserve_native_v9_{native.isa_key(native._native_target())}_")
+    assert native.build_name().startswith(f"aserve_native_v10_{native.isa_key(native._native_target())}_")
 
 
 @needs_native

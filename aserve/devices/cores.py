@@ -69,6 +69,16 @@ class CoreLender:
         self.counts["lent_steps"] += threads > mine
         return threads
 
+    async def take_all(self, name: str) -> int:
+        """Every core for ``name``'s next step, once no step holds any (a warm-up at the thread
+        count lent steps run at: what a first lent step would set up, measured alone)."""
+        while self.held:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
+        self.held[name] = self.cores
+        return self.cores
+
     def give(self, name: str) -> None:
         """``name``'s step ended: its threads are free, and whoever waited for them goes on."""
         if self.held.pop(name, None) is None:

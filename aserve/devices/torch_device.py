@@ -144,13 +144,21 @@ class TorchDevice(Device):
     async def warm_up(self, block_ids: Sequence[int]) -> None:
         """A prompt chunk, then a decode step over it, on the device's own thread (the same shapes
         of work a first request brings): the first request after start is then as fast as the
-        tenth (a lone first request took 1,040 ms against 162-175 ms for the next seven, issue 60)."""
+        tenth (a lone first request took 1,040 ms against 162-175 ms for the next seven, issue 60).
+        Where cores are lent, the chunk once more on all of them (the first lent step's set-up: its
+        OpenMP team, the product choice of ``model.native.wide_rows`` at that thread count)."""
         n = min(32, len(block_ids) * self.block_size - 1)
         ids = tuple(range(100, 100 + n))
         first = StepPlan((SeqStep("warm-up", ids, 0, tuple(block_ids), GREEDY),))
         second = StepPlan((SeqStep("warm-up", (7,), n, tuple(block_ids), GREEDY, 1),))
         for plan in (first, second):
             await self._execute(plan)
+        if self.lender is not None and self.lender.cores > self.num_threads:  # and a lent prompt chunk's
+            await self.lender.take_all(self.name)
+            try:
+                await self._execute_on(first, self.lender.cores)
+            finally:
+                self.lender.give(self.name)
 
     def execute_blocking(self, plan: StepPlan) -> StepOutput:
         """The step from a thread of its own (a Ray actor's step channel), waiting for it: on the

@@ -47,7 +47,8 @@ std::vector<torch::Tensor> llama_forward(torch::Tensor x, torch::Tensor cos, tor
                                          std::vector<torch::Tensor> layers, torch::Tensor final_norm, torch::Tensor kv,
                                          torch::Tensor slots, torch::Tensor seqs, torch::Tensor seq_tables,
                                          torch::Tensor dec_tables, torch::Tensor dec_lens, int64_t num_heads, double eps,
-                                         double scale, int64_t tap_layer, torch::Tensor tap_rows);
+                                         double scale, int64_t tap_layer, torch::Tensor tap_rows,
+                                         std::vector<torch::Tensor> wide, int64_t wide_rows);
 
 #if defined(__AVX512F__)
 // 16 bf16 values -> 16 fp32 (a bf16 is the top half of an fp32: exact)
