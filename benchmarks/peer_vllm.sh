@@ -66,6 +66,7 @@ start_server() {  # $1: server name; echoes the pid
     aserve-adaptive) cd "$ROOT" && exec "${aserve[@]}" --mode adaptive ;;
     aserve-shared)   cd "$ROOT" && exec "${aserve[@]}" --device-share shared ;;
     aserve-lend)     cd "$ROOT" && exec "${aserve[@]}" --device-share lend ;;
+    aserve-b256)     cd "$ROOT" && exec "${aserve[@]}" --max-num-batched-tokens 256 ;;
     vllm-default)    exec "${vllm[@]}" ;;
     vllm-best)       VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 exec "${vllm[@]}" ;;
     *) echo "unknown server $1" >&2; return 1 ;;
