@@ -98,10 +98,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)  # [T, hidden]
         if self._native_step(x, meta):
             cos, sin = self.rope.cos[positions].float(), self.rope.sin[positions].float()
-            weights = self._step_weights()
-            hidden, taps = native.llama_forward(x, cos, sin, weights, self.norm.weight, kv, meta,
-                                                self.args.num_heads, self.args.norm_eps, self.layers[0].attn.scale,
-                                                tap_layer, tap_rows, *self._wide_weights(x.shape[0]))
+            hidden, taps = native.llama_forward(x, cos, sin, self._step_weights(x.shape[0]), self.norm.weight, kv,
+                                                meta, self.args.num_heads, self.args.norm_eps,
+                                                self.layers[0].attn.scale, tap_layer, tap_rows)
             return hidden, taps if tap_layer else None
         rope = self.rope.tables(positions, x.dtype)
         taps = None
@@ -123,36 +122,29 @@ class LlamaForCausalLM(nn.Module):
                 and (not meta.prefills or (self.args.head_dim in (32, 64, 128)  # paged_prefill's layouts
                                            and self.args.num_heads // self.args.num_kv_heads <= 8)))
 
-    def _step_weights(self) -> list:
+    def _step_weights(self, rows: int) -> list:
         """The six weights of each layer in ``llama_forward``'s order, the four matrices packed
-        (``native.step_weights``). Packed once; a weight changed in place or moved since (its
-        version counter or data pointer) has the list rebuilt. The check reads two attributes a
-        weight: ``native.packed`` for each of the 121 matrices took 0.2 ms of a 10 ms step."""
+        (``native.step_weights``): in fp32 for a step of at least ``native.wide_rows`` rows (its
+        cut measured on this model's layer shapes at the step's thread count, once a process),
+        else in bf16. Packed once; a weight changed in place or moved since (its version counter
+        or data pointer) has the lists rebuilt. The check reads two attributes a weight:
+        ``native.packed`` for each of the 121 matrices took 0.2 ms of a 10 ms step."""
         if getattr(self, "_step_params", None) is None:
             self._step_params = [w for b in self.layers for w in (
                 b.attn_norm.weight, b.attn.qkv_proj.weight, b.attn.o_proj.weight, b.mlp_norm.weight,
                 b.mlp.gate_up_proj.weight, b.mlp.down_proj.weight)]
-            self._step_key, self._step_packed = None, None
+            self._step_key, self._step_packed = None, {}
+            self._layer_shapes = tuple(tuple(w.shape) for w in self._step_params[:6] if w.dim() == 2)
         key = [(p._version, p.data_ptr()) for p in self._step_params]
         if key != self._step_key:
-            self._step_packed, self._step_key = native.step_weights(self._step_params), key
-        return self._step_packed
-
-    def _wide_weights(self, rows: int) -> tuple[list, int]:
-        """The fp32 copies of each layer's four matrices and the rows from which a step uses them
-        (``native.wide_rows``: measured on this model's layer shapes at the step's thread count,
-        once a process), or nothing for a step below that. Made at the first step once that is
-        measured (the default model: 424 MB more), and remade with the packed list."""
-        if getattr(self, "_wide_shapes", None) is None:
-            self._wide_shapes = tuple(tuple(w.shape) for i, w in enumerate(self._step_params[:6]) if i % 6 in (1, 2, 4, 5))
-            self._wide_key = None
-        wide_from = native.wide_rows(self._wide_shapes, torch.get_num_threads())
-        if not wide_from:
-            return [], 0
-        if self._wide_key != self._step_key:  # made as soon as they may be used (a warm-up step makes them)
-            self._wide_list = [native.wide(w) for i, w in enumerate(self._step_params) if i % 6 in (1, 2, 4, 5)]
-            self._wide_key = self._step_key
-        return (self._wide_list, wide_from) if rows >= wide_from else ([], 0)
+            self._step_packed, self._step_key = {}, key
+        wide_from = native.wide_rows(self._layer_shapes, torch.get_num_threads())
+        # the fp32 list is made once the cut is known (a warm-up step makes it), used from the cut up
+        kinds = (False, True) if wide_from else (False,)
+        for f32 in kinds:
+            if f32 not in self._step_packed:
+                self._step_packed[f32] = native.step_weights(self._step_params, f32=f32)
+        return self._step_packed[bool(wide_from) and rows >= wide_from]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""

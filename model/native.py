@@ -5,19 +5,19 @@ cached under ~/.cache/torch_extensions/aserve), and skipped with a clear reason 
   with a bf16 fast path in ``paged_decode_bf16.cpp``);
 - ``linear`` and ``silu_mul``: bf16 matrix products on CPUs with AVX512-BF16 over weights packed
   once, on first use, into the layout of ``model/csrc/gemm_bf16.cpp`` (faster than torch's
-  matmul at every batch size measured on a Zen 4 EPYC, 1 to 512 rows, so every bf16 CPU linear
-  goes there, except ``llama_forward``'s wide steps below);
+  matmul at every batch size measured, 1 to 512 rows, so every bf16 CPU linear goes there);
 - ``paged_prefill``: causal attention of prompt chunks over the pool, bf16 (``paged_prefill_bf16.cpp``);
 - ``llama_forward``: a whole step of a bf16 LLaMA model (prompt chunks and decode tokens) in one
   call (``model/csrc/llama_forward.cpp``), so the ~25 small ops per layer are not dispatched one by one.
-  Its products go through the packed kernel, or, in steps of at least ``wide_rows`` rows, through
-  torch's fp32 GEMM over fp32 copies of the weights (``wide``): on CPUs whose bf16 dot products are
-  no faster than fp32 FMAs (a Xeon with AVX512-BF16 and no AMX) MKL's fp32 GEMM does prompt chunks
-  1.5-1.8x faster than the packed kernel; ``wide_rows`` measures which is faster, once a process.
+  Its products take bf16-packed weights (bf16 dot products), or, in steps of at least
+  ``wide_rows`` rows, the same groups packed in fp32 (FMAs): on CPUs whose bf16 dot products issue
+  at half the rate of fp32 FMAs (a Xeon with AVX512-BF16 and no AMX) that is 1.3-1.8x faster from
+  16 rows up; ``wide_rows`` measures where, once a process.
 
 The packed copy of a weight lives on the weight tensor itself (an attribute) and is remade when
 the weight changes in place or moves: a bf16 model on the CPU holds its weights twice (the
-default model: 270 MB more), the torch layout for everything else that reads them.
+default model: 270 MB more), the torch layout for everything else that reads them, and where
+``wide_rows`` takes fp32-packed steps, its layers' matrices a third time in fp32 (424 MB more).
 
 Each call lets the GIL go while it runs: a cluster's instances, its length predictor and its event
 loop are threads of one process, and must not wait for one another's kernels.
@@ -42,7 +42,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -192,15 +192,16 @@ def packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and bf16_linear_available())
 
 
-def packed(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
+def packed(weight: torch.Tensor, gate_up: bool = False, f32: bool = False) -> torch.Tensor:
     """The packed copy of a bf16 ``weight`` [N, K] (``gate_up``: a fused [gate; up] weight in the
-    order ``silu_mul`` reads), made on first use and remade if the weight changed since."""
-    key = "_aserve_packed_gate_up" if gate_up else "_aserve_packed"
+    order ``silu_mul`` reads; ``f32``: in fp32, for FMAs, see ``wide_rows``), made on first use and
+    remade if the weight changed since."""
+    key = "_aserve_packed" + ("_gate_up" if gate_up else "") + ("_f32" if f32 else "")
     cached = getattr(weight, key, None)  # (version, data pointer, packed tensor)
     if cached is not None and cached[0] == weight._version and cached[1] == weight.data_ptr():
         return cached[2]
     mod = load()
-    p = mod.pack_bf16(weight.detach(), mod.ORDER_GATE_UP if gate_up else mod.ORDER_PLAIN)
+    p = (mod.pack_f32 if f32 else mod.pack_bf16)(weight.detach(), mod.ORDER_GATE_UP if gate_up else mod.ORDER_PLAIN)
     setattr(weight, key, (weight._version, weight.data_ptr(), p))
     return p
 
@@ -253,33 +254,27 @@ def prefill_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and heads % kv_heads == 0 and heads // kv_heads <= 8 and bf16_linear_available())
 
 
-WIDE_ROWS_TRIED = (32, 64, 128, 256)  # step sizes wide_rows compares the two products at
-WIDE_GAIN = 1.15  # the fp32 GEMM is taken where it was at least this much faster
-
-
-def wide(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 copy of a bf16 ``weight`` [N, K] for ``llama_forward``'s wide products, made on
-    first use and remade if the weight changed since (kept on the weight, as ``packed``)."""
-    cached = getattr(weight, "_aserve_wide", None)
-    if cached is not None and cached[0] == weight._version and cached[1] == weight.data_ptr():
-        return cached[2]
-    w32 = weight.detach().float().contiguous()
-    weight._aserve_wide = (weight._version, weight.data_ptr(), w32)
-    return w32
+# step sizes wide_rows compares the two packed kinds at. Not below 32: one layer's products timed
+# alone stay in cache, and there fp32 won from 16 rows, but in the default model's steps, whose
+# 424 MB of fp32 weights come from memory, 16 rows tied (decode 72.5 ms bf16, 73.6 fp32; from 24
+# rows fp32 led: 96.7 against 106.5, and a 48-token chunk 93 against 132)
+WIDE_ROWS_TRIED = (32, 64, 128, 256)
+WIDE_GAIN = 1.1  # the fp32 kind is taken where it was at least this much faster
 
 
 @functools.lru_cache(maxsize=None)
 def wide_rows(shapes: tuple, threads: int) -> int:
     """The fewest rows of a step from which its products (``shapes``: each product's (outputs,
-    inputs), a layer's four) go through torch's fp32 GEMM over ``wide`` copies instead of the
-    packed bf16 kernel, at ``threads`` torch threads (the caller's); 0: never. Measured once a
-    process per thread count (0.1-0.5 s): a layer's products timed both ways in turns at
-    ``WIDE_ROWS_TRIED`` rows; the smallest size from which fp32 is ``WIDE_GAIN`` faster at every
-    larger size is taken. Where bf16 dot products run no faster than fp32 FMAs, the packed
-    kernel's sums cost as much as fp32's and MKL's blocking does better: on a 2-core Xeon
-    (AVX512-BF16, no AMX) at one thread, 256 rows of the default model's gate-up product took
-    10.3 ms packed against 6.0 in fp32 (151 GFLOP/s); on the 2-core EPYC (Zen 4) the packed
-    kernel led at every size. ``ASERVE_WIDE_ROWS=N`` sets it (0: never)."""
+    inputs), a layer's four) go through fp32-packed weights (``packed(..., f32=True)``: FMAs)
+    instead of bf16-packed ones (bf16 dot products), at ``threads`` torch threads (the caller's);
+    0: never. Measured once a process per thread count (0.1-0.5 s): a layer's products timed both
+    ways in turns at ``WIDE_ROWS_TRIED`` rows; the smallest size from which fp32 is ``WIDE_GAIN``
+    faster at every larger size is taken. Where bf16 dot products issue at half the rate of fp32
+    FMAs (a 2-core Xeon with AVX512-BF16 and no AMX: 86 against 175 GFLOP/s a core with
+    independent chains), the fp32 kind wins once the rows hide its twice-as-many weight bytes:
+    110-122 against 88 GFLOP/s at 16 rows, 150-162 against 87 at 64 and more (the default model's
+    four products, one thread); at 1-8 rows, where the weights' bytes are the bound, bf16 leads.
+    ``ASERVE_WIDE_ROWS=N`` sets it (0: never)."""
     env = os.environ.get("ASERVE_WIDE_ROWS")
     if env is not None:
         if not env.isdigit():
@@ -295,27 +290,19 @@ def wide_rows(shapes: tuple, threads: int) -> int:
         weights = []
         for n, k in shapes:
             w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
-            weights.append((n, k, mod.pack_bf16(w, mod.ORDER_PLAIN), w.float()))
+            weights.append((n, k, mod.pack_bf16(w, mod.ORDER_PLAIN), mod.pack_f32(w, mod.ORDER_PLAIN)))
         faster = []
         for rows in WIDE_ROWS_TRIED:
             xs = {k: torch.randn(rows, k, generator=gen).to(torch.bfloat16) for _, k, _, _ in weights}
-
-            def packed_layer():
-                for n, k, p, _ in weights:
-                    mod.linear_packed(xs[k], p, n, None)
-
-            def wide_layer():
-                for _, k, _, w32 in weights:
-                    F.linear(xs[k].float(), w32).bfloat16()
-
-            times = {packed_layer: [], wide_layer: []}
-            for rep in range(6):  # the first of each unmeasured: MKL sets itself up on its first calls
-                for run, seen in times.items():
+            times = {0: [], 1: []}  # bf16-packed, fp32-packed
+            for rep in range(6):  # the first of each unmeasured: a first call sets things up
+                for kind, seen in times.items():
                     t0 = time.perf_counter()
-                    run()
+                    for n, k, *kinds in weights:
+                        mod.linear_packed(xs[k], kinds[kind], n, None)
                     if rep:
                         seen.append(time.perf_counter() - t0)
-            faster.append(min(times[packed_layer]) >= WIDE_GAIN * min(times[wide_layer]))
+            faster.append(min(times[0]) >= WIDE_GAIN * min(times[1]))
     finally:
         torch.set_num_threads(before)
     cut = 0
@@ -326,35 +313,31 @@ def wide_rows(shapes: tuple, threads: int) -> int:
     return cut
 
 
-def step_weights(params: list) -> list:
+def step_weights(params: list, f32: bool = False) -> list:
     """``llama_forward``'s weights from the six Parameters of each layer (attn_norm, qkv, o,
-    mlp_norm, gate_up, down): the norms as they are, the four matrices packed."""
+    mlp_norm, gate_up, down): the norms as they are, the four matrices packed (``f32``: in fp32)."""
     step = []
     for i in range(0, len(params), 6):
         attn_norm, qkv, o, mlp_norm, gate_up, down = params[i:i + 6]
-        step += [attn_norm, packed(qkv), packed(o), mlp_norm, packed(gate_up, gate_up=True), packed(down)]
+        step += [attn_norm, packed(qkv, f32=f32), packed(o, f32=f32), mlp_norm,
+                 packed(gate_up, gate_up=True, f32=f32), packed(down, f32=f32)]
     return step
 
 
 def llama_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: list, final_norm: torch.Tensor,
                   kv: torch.Tensor, meta, num_heads: int, eps: float, scale: float, tap_layer: int = 0,
-                  tap_rows: Optional[torch.Tensor] = None, wide_weights: Sequence[torch.Tensor] = (),
-                  wide_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  tap_rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole step through every layer (prompt chunks, decode tokens, pad rows): x [T, E] bf16
     embeddings -> (final-normed hidden [T, E], taps [R, E]): the taps are ``tap_rows`` after
     ``tap_layer`` layers through the final norm (empty unless asked); ``weights`` as
-    ``step_weights`` makes them; ``meta`` is the step's ``AttentionMeta``. A step of at least
-    ``wide_from`` rows (0: none) takes its products through torch's fp32 GEMM over
-    ``wide_weights`` (qkv, o, gate_up, down of each layer in fp32, ``wide``; see ``wide_rows``)."""
+    ``step_weights`` makes them (either packed kind); ``meta`` is the step's ``AttentionMeta``."""
     seqs, seq_tables = meta.chunk_tables
     dec_tables, dec_lens = meta.decode_block_tables, meta.decode_ctx_lens
     if dec_tables is None:
         dec_tables, dec_lens = _NO_ROWS, _NO_ROWS[:, 0]
     return tuple(load().llama_forward(x, cos, sin, weights, final_norm, kv, meta.slot_mapping, seqs, seq_tables,
                                       dec_tables, dec_lens, num_heads, eps, scale, tap_layer,
-                                      _NO_ROWS[:, 0] if tap_rows is None else tap_rows,
-                                      list(wide_weights) if wide_from and x.shape[0] >= wide_from else [],
-                                      wide_from))
+                                      _NO_ROWS[:, 0] if tap_rows is None else tap_rows))
 
 
 _NO_ROWS = torch.zeros(0, 3, dtype=torch.long)  # no chunk (as [P, 3]) or no decode row

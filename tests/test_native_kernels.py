@@ -108,6 +108,43 @@ def test_linear_packed_matches_float_reference(path, rows, n, k, bias):
     assert _close_to_float(got, F.linear(x.float(), w.float(), None if b is None else b.float()), k)
 
 
+@needs_bf16
+@pytest.mark.parametrize("threads", [1, 2])  # two: groups split between threads by k, summed in parts
+@pytest.mark.parametrize("rows", [1, 6, 13, 64])
+@pytest.mark.parametrize("n,k,bias", [(13, 64, False), (576, 1536, True), (1000, 1536, True), (70, 2, False)])
+def test_fp32_packed_products_match_the_bf16_packed_ones(threads, rows, n, k, bias):
+    """The fp32-packed kind (``pack_f32``, FMAs) gives the float reference as the bf16 kind does,
+    through every epilogue: plain with bias, fp32 sums, the residual add and SwiGLU."""
+    mod = native.load()
+    g = torch.Generator().manual_seed(n + k + rows)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        p16, p32 = mod.pack_bf16(w, mod.ORDER_PLAIN), mod.pack_f32(w, mod.ORDER_PLAIN)
+        assert p32.dtype == torch.float32 and p32.shape == (-(-n // 64), k, 64)
+        want = F.linear(x.float(), w.float(), None if b is None else b.float())
+        for packed in (p16, p32):
+            got = mod.linear_packed(x, packed, n, b)
+            assert got.dtype == torch.bfloat16 and _close_to_float(got, want, k)
+        sums = mod.linear_packed(x, p32, n, None, True)
+        assert sums.dtype == torch.float32 and (sums - F.linear(x.float(), w.float())).abs().max().item() <= 1e-3
+        h16 = torch.randn(rows, n, generator=g).bfloat16()
+        h32 = h16.clone()
+        mod.linear_packed_add_(h16, x, p16)
+        mod.linear_packed_add_(h32, x, p32)
+        assert (h16.float() - h32.float()).abs().max().item() <= 0.02 * h16.abs().max().item() + 1e-2
+        if n % 64 == 0:  # SwiGLU: a fused gate_up of n = 2 I rows, packed in gate-up order
+            a16 = mod.silu_mul_packed(x, mod.pack_bf16(w, mod.ORDER_GATE_UP))
+            a32 = mod.silu_mul_packed(x, mod.pack_f32(w, mod.ORDER_GATE_UP))
+            assert a32.shape == (rows, n // 2)
+            assert (a16.float() - a32.float()).abs().max().item() <= 0.02 * a16.abs().max().item() + 1e-2
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("path", PRODUCT_PATHS)
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_packed_epilogues_match_torch_ops(path, rows):
@@ -271,10 +308,10 @@ def test_llama_forward_step_matches_op_by_op(kind):
 
 @needs_bf16
 @pytest.mark.parametrize("kind", list(STEPS))
-def test_wide_products_step_matches_the_packed_step(kind, monkeypatch):
-    """A step whose products go through the fp32 GEMM (``native.wide_rows``, forced here for
-    every step) gives the packed step's hidden states and K/V within bf16 rounding, and is as
-    close to an fp32 run: the fallback of CPUs where the packed kernel leads, kept in step."""
+def test_fp32_packed_step_matches_the_bf16_packed_step(kind, monkeypatch):
+    """A step whose products take fp32-packed weights (``native.wide_rows``, forced here for every
+    step) gives the bf16-packed step's hidden states and K/V within bf16 rounding, and is as close
+    to an fp32 run: the two kinds a CPU picks between by size stay in step."""
     model, runner, step, (r32, m32) = _llama_setup(kind, "native", "native")
     before_kv = runner.kv.pool.clone()
     with torch.inference_mode():
@@ -287,7 +324,7 @@ def test_wide_products_step_matches_the_packed_step(kind, monkeypatch):
         monkeypatch.setenv("ASERVE_WIDE_ROWS", "1")
         native.wide_rows.cache_clear()
         wide = model(ids, pos, meta, runner.kv.pool).float()
-        assert len(model._wide_list) == 4 * len(model.layers)  # it went the wide way
+        assert model._step_packed[True][1].dtype == torch.float32  # it went the fp32 way
         ids32, pos32, meta32, *_ = r32._prepare(step)
         exact = m32(ids32, pos32, meta32, r32.kv.pool)
     native.wide_rows.cache_clear()

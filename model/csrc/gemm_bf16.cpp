@@ -84,28 +84,42 @@ inline __m512 round_bf16(__m512 v) {  // what storing as bf16 and reading back g
 }
 
 
+// The fp32 sums of one block over KS k steps. bf16 weights (pack_bf16): a step is a k-pair, four
+// bf16 dot products a row. fp32 weights (pack_f32, F32): a step is one k of fp32 x, four FMAs a
+// row: where bf16 dot products issue at half the rate of fp32 FMAs (a Xeon with AVX512-BF16 and no
+// AMX: 86 against 175 GFLOP/s a core, measured with independent chains), twice the bytes buy
+// nearly twice the sums a cycle once the rows are enough to hide the reads. A step's weights are
+// 256 bytes either way.
 // Always inlined: out of line, its sums went through memory and the products ran 3-4x slower.
-template <int MB>
-__attribute__((always_inline)) inline void block_sums(const uint32_t* x, int64_t ldx, const __m512bh* w, int64_t K2,
+template <bool F32, int MB>
+__attribute__((always_inline)) inline void block_sums(const void* xv, int64_t ldx, const void* wv, int64_t KS,
                                                       Sums<MB>& acc) {
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 4
     for (int t = 0; t < kTiles; ++t) acc[m][t] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K2; ++k) {
-    const __m512bh* wk = w + k * kTiles;
-    const char* ahead = reinterpret_cast<const char*>(wk) + kPrefetchBytes;  // one k-pair: four lines
+  for (int64_t k = 0; k < KS; ++k) {
+    const char* wk = static_cast<const char*>(wv) + k * 256;
+    const char* ahead = wk + kPrefetchBytes;  // one step: four lines
     _mm_prefetch(ahead, _MM_HINT_T1), _mm_prefetch(ahead + 64, _MM_HINT_T1);
     _mm_prefetch(ahead + 128, _MM_HINT_T1), _mm_prefetch(ahead + 192, _MM_HINT_T1);
-    const __m512bh w0 = (__m512bh)_mm512_load_si512(wk), w1 = (__m512bh)_mm512_load_si512(wk + 1),
-                   w2 = (__m512bh)_mm512_load_si512(wk + 2), w3 = (__m512bh)_mm512_load_si512(wk + 3);
+    const __m512i w0 = _mm512_load_si512(wk), w1 = _mm512_load_si512(wk + 64), w2 = _mm512_load_si512(wk + 128),
+                  w3 = _mm512_load_si512(wk + 192);
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + k]));
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xb);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xb);
-      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], w2, xb);
-      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, xb);
+      if constexpr (F32) {
+        const __m512 xb = _mm512_set1_ps(static_cast<const float*>(xv)[m * ldx + k]);
+        acc[m][0] = _mm512_fmadd_ps(_mm512_castsi512_ps(w0), xb, acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(_mm512_castsi512_ps(w1), xb, acc[m][1]);
+        acc[m][2] = _mm512_fmadd_ps(_mm512_castsi512_ps(w2), xb, acc[m][2]);
+        acc[m][3] = _mm512_fmadd_ps(_mm512_castsi512_ps(w3), xb, acc[m][3]);
+      } else {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(static_cast<const uint32_t*>(xv)[m * ldx + k]));
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)w0, xb);
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)w1, xb);
+        acc[m][2] = _mm512_dpbf16_ps(acc[m][2], (__m512bh)w2, xb);
+        acc[m][3] = _mm512_dpbf16_ps(acc[m][3], (__m512bh)w3, xb);
+      }
     }
   }
 }
@@ -117,6 +131,8 @@ struct Job {
   int epilogue;         // kStore, kStoreF32, kAddInto, kSiluMul
   const float* bias;    // kStore and kStoreF32, may be null
   void* y;              // [M, N] bf16 (fp32 for kStoreF32)
+  const float* xf = nullptr;  // x in fp32 [M, K] where w is packed fp32 (pack_f32); then w is float
+  int64_t steps() const { return xf ? K : K / 2; }  // k steps of a group: single ks (fp32) or k-pairs
 };
 constexpr int kStore = 0, kAddInto = 1, kSiluMul = 2, kStoreF32 = 3;
 
@@ -156,10 +172,13 @@ __attribute__((always_inline)) inline void finish(const Job& j, int64_t m0, int6
 // is the whole group, else its sums stored in part [M, 64] for the caller to add up.
 template <int MB>
 void run_block(const Job& j, int64_t m0, int64_t g, int64_t k0, int64_t k1, float* part) {
-  const int64_t K2 = j.K / 2;
+  const int64_t KS = j.steps();
   Sums<MB> acc;
-  block_sums<MB>(reinterpret_cast<const uint32_t*>(j.x) + m0 * K2 + k0, K2,
-                 reinterpret_cast<const __m512bh*>(j.w) + (g * K2 + k0) * kTiles, k1 - k0, acc);
+  const char* w = reinterpret_cast<const char*>(j.w) + (g * KS + k0) * 256;  // 256 bytes a k step
+  if (j.xf)
+    block_sums<true, MB>(j.xf + m0 * KS + k0, KS, w, k1 - k0, acc);
+  else
+    block_sums<false, MB>(reinterpret_cast<const uint32_t*>(j.x) + m0 * KS + k0, KS, w, k1 - k0, acc);
   if (part == nullptr) return finish<MB>(j, m0, g, acc);
   for (int m = 0; m < MB; ++m)
     for (int t = 0; t < kTiles; ++t) _mm512_storeu_ps(part + (m0 + m) * kGroup + t * kTile, acc[m][t]);
@@ -193,14 +212,14 @@ void finish_parts(const Job& j, int64_t g, const float* part) {
 // added up and finished after the parallel pass.
 void run(const Job& j) {
   const int64_t groups = j.epilogue == kSiluMul ? (j.N + kGroup / 2 - 1) / (kGroup / 2) : (j.N + kGroup - 1) / kGroup;
-  const int64_t T = std::min<int64_t>(at::get_num_threads(), groups * (j.K / 2));
+  const int64_t T = std::min<int64_t>(at::get_num_threads(), groups * j.steps());
   if (T <= 1 || groups % T == 0) {
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) run_group(j, g, 0, j.K / 2, nullptr);
+      for (int64_t g = g0; g < g1; ++g) run_group(j, g, 0, j.steps(), nullptr);
     });
     return;
   }
-  const int64_t K2 = j.K / 2, total = groups * K2, slot = j.M * kGroup;
+  const int64_t K2 = j.steps(), total = groups * K2, slot = j.M * kGroup;
   std::vector<float> parts(static_cast<size_t>(2 * T * slot));  // a thread's first and last group, if cut
   std::vector<int64_t> owner(2 * T, -1);                         // the group each slot holds
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
@@ -233,9 +252,13 @@ void run(const Job& j) {
 void check_product(const torch::Tensor& x, const torch::Tensor& packed, int64_t rows) {
   TORCH_CHECK(has_bf16_linear(), "packed bf16 products need a CPU with AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be [M, K] bf16 on the CPU");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kGroup && packed.size(3) == 2 && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kBFloat16, "not a packed weight (see pack_bf16)");
-  TORCH_CHECK(x.size(1) == 2 * packed.size(1), "x has ", x.size(1), " columns, the packed weight ", 2 * packed.size(1));
+  const bool f32 = packed.scalar_type() == at::kFloat;
+  TORCH_CHECK(f32 ? packed.dim() == 3 && packed.size(2) == kGroup && packed.is_contiguous()
+                  : packed.dim() == 4 && packed.size(2) == kGroup && packed.size(3) == 2 && packed.is_contiguous() &&
+                        packed.scalar_type() == at::kBFloat16,
+              "not a packed weight (see pack_bf16, pack_f32)");
+  const int64_t K = f32 ? packed.size(1) : 2 * packed.size(1);
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the packed weight ", K);
   TORCH_CHECK(rows > 0 && rows <= packed.size(0) * kGroup, "bad output count ", rows);
 }
 }  // namespace
@@ -248,6 +271,22 @@ bool has_bf16_linear() {
 #endif
 }
 
+namespace {
+// Row n's KS steps (k-pairs as uint32, or single fp32 ks) to [G, KS, 64]: packed row r of group g
+// holds row src_row(g, r) at each step (zero padding stays zero).
+template <class T>
+void scatter_groups(const T* src, T* dst, int64_t order, int64_t N, int64_t G, int64_t KS) {
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t r = 0; r < kGroup; ++r) {
+        const int64_t n = src_row(order, N, g, r);
+        if (n < 0) continue;
+        for (int64_t k = 0; k < KS; ++k) dst[(g * KS + k) * kGroup + r] = src[n * KS + k];
+      }
+  });
+}
+}  // namespace
+
 torch::Tensor pack_bf16(torch::Tensor w, int64_t order) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_bf16: w must be [N, K] bf16");
   TORCH_CHECK(w.size(1) % 2 == 0, "pack_bf16: K must be even, got ", w.size(1));
@@ -258,16 +297,37 @@ torch::Tensor pack_bf16(torch::Tensor w, int64_t order) {
   auto out = torch::zeros({G, K2, kGroup, 2}, wc.options());
   const auto* src = reinterpret_cast<const uint32_t*>(wc.data_ptr<bf16>());  // (k, k+1) pairs of a row
   auto* dst = reinterpret_cast<uint32_t*>(out.data_ptr<bf16>());
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t r = 0; r < kGroup; ++r) {
-        const int64_t n = src_row(order, N, g, r);
-        if (n < 0) continue;
-        for (int64_t k = 0; k < K2; ++k) dst[(g * K2 + k) * kGroup + r] = src[n * K2 + k];
-      }
-  });
+  scatter_groups(src, dst, order, N, G, K2);
   return out;
 }
+
+torch::Tensor pack_f32(torch::Tensor w, int64_t order) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_f32: w must be [N, K] bf16");
+  TORCH_CHECK(order == kOrderPlain || (order == kOrderGateUp && w.size(0) % kGroup == 0),
+              "pack_f32: a gate_up weight needs a multiple of 64 rows");
+  const auto wc = w.contiguous().to(at::kFloat);
+  const int64_t N = wc.size(0), K = wc.size(1), G = (N + kGroup - 1) / kGroup;
+  auto out = torch::zeros({G, K, kGroup}, wc.options());
+  const float* src = wc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  scatter_groups(src, dst, order, N, G, K);
+  return out;
+}
+
+#ifdef ASERVE_BF16_DP
+namespace {
+// The job of x times a packed weight of either kind: an fp32 weight takes x in fp32 (held in xf).
+Job make_job(const torch::Tensor& xc, const torch::Tensor& packed, torch::Tensor& xf, int64_t n, int epilogue,
+             const float* bias, void* y) {
+  Job j{xc.data_ptr<bf16>(), static_cast<const bf16*>(packed.data_ptr()), xc.size(0), xc.size(1), n, epilogue, bias, y};
+  if (packed.scalar_type() == at::kFloat) {
+    xf = xc.to(at::kFloat).contiguous();
+    j.xf = xf.data_ptr<float>();
+  }
+  return j;
+}
+}  // namespace
+#endif
 
 torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, std::optional<torch::Tensor> bias,
                             bool fp32_out) {
@@ -280,9 +340,10 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, st
   }
   auto y = torch::empty({xc.size(0), n}, xc.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
 #ifdef ASERVE_BF16_DP
+  torch::Tensor xf;
   if (xc.size(0) > 0)
-    run({xc.data_ptr<bf16>(), packed.data_ptr<bf16>(), xc.size(0), xc.size(1), n, fp32_out ? kStoreF32 : kStore,
-         bias.has_value() ? b.data_ptr<float>() : nullptr, y.data_ptr()});
+    run(make_job(xc, packed, xf, n, fp32_out ? kStoreF32 : kStore, bias.has_value() ? b.data_ptr<float>() : nullptr,
+                 y.data_ptr()));
 #endif
   return y;
 }
@@ -293,9 +354,8 @@ void linear_packed_add_(torch::Tensor y, torch::Tensor x, torch::Tensor packed) 
               "linear_packed_add_: y must be a contiguous bf16 [M, N]");
   const auto xc = x.contiguous();
 #ifdef ASERVE_BF16_DP
-  if (xc.size(0) > 0)
-    run({xc.data_ptr<bf16>(), packed.data_ptr<bf16>(), xc.size(0), xc.size(1), y.size(1), kAddInto, nullptr,
-         y.data_ptr<bf16>()});
+  torch::Tensor xf;
+  if (xc.size(0) > 0) run(make_job(xc, packed, xf, y.size(1), kAddInto, nullptr, y.data_ptr<bf16>()));
 #endif
 }
 
@@ -305,9 +365,8 @@ torch::Tensor silu_mul_packed(torch::Tensor x, torch::Tensor packed) {
   const auto xc = x.contiguous();
   auto y = torch::empty({xc.size(0), I}, xc.options());
 #ifdef ASERVE_BF16_DP
-  if (xc.size(0) > 0)
-    run({xc.data_ptr<bf16>(), packed.data_ptr<bf16>(), xc.size(0), xc.size(1), I, kSiluMul, nullptr,
-         y.data_ptr<bf16>()});
+  torch::Tensor xf;
+  if (xc.size(0) > 0) run(make_job(xc, packed, xf, I, kSiluMul, nullptr, y.data_ptr<bf16>()));
 #endif
   return y;
 }

@@ -18,6 +18,9 @@ constexpr int64_t kOrderPlain = 0, kOrderGateUp = 1;
 bool has_bf16_linear();
 // w [N, K] bf16 -> the packed layout of gemm_bf16.cpp, [ceil(N / 64), K / 2, 64, 2].
 torch::Tensor pack_bf16(torch::Tensor w, int64_t order);
+// w [N, K] bf16 -> the same groups in fp32, [ceil(N / 64), K, 64]: the products below take either
+// packed kind (an fp32 one with x widened to fp32, and FMAs instead of bf16 dot products).
+torch::Tensor pack_f32(torch::Tensor w, int64_t order);
 // x [M, K] bf16 @ w.T (+ bias) with w packed plain; n = w's row count. Returns [M, n] bf16, or
 // the fp32 sums unrounded with fp32_out.
 torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, std::optional<torch::Tensor> bias,
@@ -47,8 +50,7 @@ std::vector<torch::Tensor> llama_forward(torch::Tensor x, torch::Tensor cos, tor
                                          std::vector<torch::Tensor> layers, torch::Tensor final_norm, torch::Tensor kv,
                                          torch::Tensor slots, torch::Tensor seqs, torch::Tensor seq_tables,
                                          torch::Tensor dec_tables, torch::Tensor dec_lens, int64_t num_heads, double eps,
-                                         double scale, int64_t tap_layer, torch::Tensor tap_rows,
-                                         std::vector<torch::Tensor> wide, int64_t wide_rows);
+                                         double scale, int64_t tap_layer, torch::Tensor tap_rows);
 
 #if defined(__AVX512F__)
 // 16 bf16 values -> 16 fp32 (a bf16 is the top half of an fp32: exact)

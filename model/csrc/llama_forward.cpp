@@ -100,29 +100,13 @@ void rope_head(const bf16* x, const float* cos, const float* sin, bf16* out, int
     out[i + half] = bf16(b * cos[i + half] + a * sin[i + half]);
   }
 }
-// A bf16 product through torch's fp32 GEMM (MKL on x86): x [M, K] bf16 times w [N, K] fp32, the
-// fp32 sums rounded once to bf16, as the packed product rounds them. On CPUs whose bf16 dot
-// products are no faster than fp32 FMAs, the fp32 GEMM reached 155 GFLOP/s a core at 256 rows
-// against 86 for the packed kernel (native.py, wide_rows).
-torch::Tensor wide_product(const torch::Tensor& x, const torch::Tensor& w) {
-  return at::linear(x.to(at::kFloat), w).to(at::kBFloat16);
-}
-
-// SwiGLU over a fused fp32 [gate; up] weight [2 I, K], rounded where torch's bf16 ops round:
-// gate and up, silu(gate), the product.
-torch::Tensor wide_silu_mul(const torch::Tensor& x, const torch::Tensor& gate_up) {
-  const auto gu = wide_product(x, gate_up);
-  const int64_t I = gate_up.size(0) / 2;
-  return at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
-}
 }  // namespace
 
 std::vector<torch::Tensor> llama_forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                                          std::vector<torch::Tensor> layers, torch::Tensor final_norm, torch::Tensor kv,
                                          torch::Tensor slots, torch::Tensor seqs, torch::Tensor seq_tables,
                                          torch::Tensor dec_tables, torch::Tensor dec_lens, int64_t num_heads, double eps,
-                                         double scale, int64_t tap_layer, torch::Tensor tap_rows,
-                                         std::vector<torch::Tensor> wide, int64_t wide_rows) {
+                                         double scale, int64_t tap_layer, torch::Tensor tap_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "llama_forward: x [T, E] bf16 CPU");
   TORCH_CHECK(kv.dim() == 6 && kv.scalar_type() == at::kBFloat16 && kv.is_contiguous(), "llama_forward: kv pool");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "llama_forward: fp32 RoPE tables");
@@ -133,10 +117,6 @@ std::vector<torch::Tensor> llama_forward(torch::Tensor x, torch::Tensor cos, tor
   TORCH_CHECK(N <= T && dec_tables.size(0) == B && seqs.size(0) == seq_tables.size(0), "llama_forward: step layout");
   TORCH_CHECK(D % 2 == 0 && H % H_kv == 0, "llama_forward: head layout");
   TORCH_CHECK(tap_layer >= 0 && tap_layer <= L && tap_rows.scalar_type() == at::kLong, "llama_forward: tap");
-  // wide products: the four matrices of each layer in fp32 ([N, K], gate_up as [gate; up]) for
-  // steps of at least wide_rows rows (0: never)
-  const bool use_wide = wide_rows > 0 && T >= wide_rows;
-  TORCH_CHECK(!use_wide || static_cast<int64_t>(wide.size()) == 4 * L, "llama_forward: 4 fp32 weights per layer");
   const int64_t num_prefill = N - B;  // rows of prompt chunks, then B decode rows
   TORCH_CHECK(num_prefill >= 0 && (seqs.size(0) == 0 || seqs[-1][1].item<int64_t>() == num_prefill),
               "llama_forward: the chunks' rows must come first and end where the decode rows start");
@@ -164,9 +144,8 @@ std::vector<torch::Tensor> llama_forward(torch::Tensor x, torch::Tensor cos, tor
     bf16* kc = k_cache.data_ptr<bf16>();
     bf16* vc = v_cache.data_ptr<bf16>();
 
-    const torch::Tensor* w32 = use_wide ? wide.data() + 4 * l : nullptr;
     rms_norm(hp, w[0].data_ptr<bf16>(), np, T, E, fe);
-    const auto qkv = use_wide ? wide_product(normed, w32[0]) : linear_packed(normed, w[1], qkv_width, std::nullopt);
+    const auto qkv = linear_packed(normed, w[1], qkv_width, std::nullopt);
     const bf16* qkvp = qkv.data_ptr<bf16>();
     for (int64_t t = 0; t < N; ++t) {
       const bf16* row = qkvp + t * qkv_width;
@@ -185,15 +164,10 @@ std::vector<torch::Tensor> llama_forward(torch::Tensor x, torch::Tensor cos, tor
     if (B > 0)
       attn.narrow(0, num_prefill, B).copy_(paged_decode(q.narrow(0, num_prefill, B), k_cache, v_cache, dec_tables,
                                                         dec_lens, scale));
-    if (use_wide) {
-      h.add_(wide_product(attn.view({T, H * D}), w32[1]));
-      rms_norm(hp, w[3].data_ptr<bf16>(), np, T, E, fe);
-      h.add_(wide_product(wide_silu_mul(normed, w32[2]), w32[3]));
-    } else {
-      linear_packed_add_(h, attn.view({T, H * D}), w[2]);
-      rms_norm(hp, w[3].data_ptr<bf16>(), np, T, E, fe);
-      linear_packed_add_(h, silu_mul_packed(normed, w[4]), w[5]);
-    }
+    linear_packed_add_(h, attn.view({T, H * D}), w[2]);
+
+    rms_norm(hp, w[3].data_ptr<bf16>(), np, T, E, fe);
+    linear_packed_add_(h, silu_mul_packed(normed, w[4]), w[5]);
     if (l + 1 == tap_layer) {  // the tapped rows after this layer, normed as a truncated model's output
       const auto rows = h.index_select(0, tap_rows.contiguous());
       rms_norm(rows.data_ptr<bf16>(), final_norm.data_ptr<bf16>(), taps.data_ptr<bf16>(), rows.size(0), E, fe);
