@@ -138,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         key = [(p._version, p.data_ptr()) for p in self._step_params]
         if key != self._step_key:
             self._step_packed, self._step_key = {}, key
-        wide_from = native.wide_rows(self._layer_shapes, torch.get_num_threads())
+        self._wide_from = wide_from = native.wide_rows(self._layer_shapes, torch.get_num_threads())
         # the fp32 list is made once the cut is known (a warm-up step makes it), used from the cut up
         kinds = (False, True) if wide_from else (False,)
         for f32 in kinds:
@@ -147,8 +147,11 @@ class LlamaForCausalLM(nn.Module):
         return self._step_packed[bool(wide_from) and rows >= wide_from]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> float32 logits [N, vocab]."""
-        return native.logits(hidden, self.embed.weight if self.lm_head is None else self.lm_head.weight, self.native)
+        """hidden: [N, hidden] -> float32 logits [N, vocab]; from the rows a step's layers took
+        fp32-packed weights at (``_step_weights``), the head's too (the default model's: 113 MB)."""
+        wide_from = getattr(self, "_wide_from", 0)
+        return native.logits(hidden, self.embed.weight if self.lm_head is None else self.lm_head.weight, self.native,
+                             f32=bool(wide_from) and hidden.shape[0] >= wide_from)
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy weights named as in HF's ``LlamaForCausalLM``, fusing q/k/v and gate/up."""

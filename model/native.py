@@ -216,13 +216,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return F.linear(x, weight, bias)
 
 
-def logits(x: torch.Tensor, weight: torch.Tensor, native: bool = True) -> torch.Tensor:
+def logits(x: torch.Tensor, weight: torch.Tensor, native: bool = True, f32: bool = False) -> torch.Tensor:
     """An LM head's fp32 logits [N, vocab]. Where the packed kernel applies, its fp32 sums are
     returned as they are: rounding logits to bf16 (steps of 0.125 between 16 and 32) turned
     near-ties into ties, and a tie into the wrong greedy token; elsewhere (and with ``native``
-    False) the model dtype's."""
+    False) the model dtype's. ``f32``: through the fp32-packed weight (``wide_rows``)."""
     if native and packable(x, weight):
-        return load().linear_packed(x, packed(weight), weight.shape[0], None, True)
+        return load().linear_packed(x, packed(weight, f32=f32), weight.shape[0], None, True)
     return F.linear(x, weight).float()
 
 
