@@ -8,9 +8,13 @@
 #
 # Not in CI: about 20 minutes on this 2-core machine once the venvs exist (an hour with the
 # installs), and it needs the whole machine (run it with nothing else running). Servers:
-#   aserve          `make serve` (the default configuration: --mode coupled --instances 2 --batching sarathi)
+#   aserve          `make serve` (the default configuration: --mode coupled --instances 2 --batching sarathi,
+#                   an idle instance's core lent to the other's steps)
 #   aserve-disagg   --mode disagg --prefill 1 --decode 1 (TetriInfer's split; serve's default until issue 28)
 #   aserve-adaptive --mode adaptive (1P+1D to start; each instance also prefills, issue 24)
+#   aserve-shared   make serve with --device-share shared (one core an instance always, no lending)
+#   aserve-lend     make serve with --device-share lend (serve's default since issue 60: same as aserve)
+#   aserve-b256     make serve with --max-num-batched-tokens 256 (instead of the budget the SLO sizes)
 #   vllm-default    vLLM CPU as installed (computes on 1 core, reserves 1)
 #   vllm-best       vLLM CPU on both cores: VLLM_CPU_OMP_THREADS_BIND=0-1, no reserved core
 #                   (VLLM_CPU_NUM_OF_RESERVED_CPU=0); its best configuration on this machine
