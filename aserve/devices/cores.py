@@ -55,10 +55,7 @@ class CoreLender:
         mine = self.own.get(name, 1)
         if self._in_use() + mine > self._capacity():
             self.counts["waits"] += 1
-            while self._in_use() + mine > self._capacity():
-                waiter = asyncio.get_running_loop().create_future()
-                self._waiters.append(waiter)
-                await waiter
+            await self._until(lambda: self._in_use() + mine <= self._capacity())
         threads = mine
         if rows >= self.min_rows:
             # the shares of devices with work that are between steps stay theirs
@@ -72,12 +69,16 @@ class CoreLender:
     async def take_all(self, name: str) -> int:
         """Every core for ``name``'s next step, once no step holds any (a warm-up at the thread
         count lent steps run at: what a first lent step would set up, measured alone)."""
-        while self.held:
+        await self._until(lambda: not self.held)
+        self.held[name] = self.cores
+        return self.cores
+
+    async def _until(self, ready) -> None:
+        """Wait until ``ready()``, checked again each time a step gives its threads back."""
+        while not ready():
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             await waiter
-        self.held[name] = self.cores
-        return self.cores
 
     def give(self, name: str) -> None:
         """``name``'s step ended: its threads are free, and whoever waited for them goes on."""
