@@ -17,7 +17,8 @@ cached under ~/.cache/torch_extensions/aserve), and skipped with a clear reason 
 The packed copy of a weight lives on the weight tensor itself (an attribute) and is remade when
 the weight changes in place or moves: a bf16 model on the CPU holds its weights twice (the
 default model: 270 MB more), the torch layout for everything else that reads them, and where
-``wide_rows`` takes fp32-packed steps, its layers' matrices a third time in fp32 (424 MB more).
+``wide_rows`` takes fp32-packed steps, its layers' matrices and LM head a third time in fp32 (537 MB
+more).
 
 Each call lets the GIL go while it runs: a cluster's instances, its length predictor and its event
 loop are threads of one process, and must not wait for one another's kernels.
@@ -40,6 +41,7 @@ import os
 import platform
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -262,8 +264,18 @@ WIDE_ROWS_TRIED = (32, 64, 128, 256)
 WIDE_GAIN = 1.1  # the fp32 kind is taken where it was at least this much faster
 
 
-@functools.lru_cache(maxsize=None)
+_WIDE_LOCK = threading.Lock()
+
+
 def wide_rows(shapes: tuple, threads: int) -> int:
+    """``_wide_rows``, measured once a process even when two instances' first steps ask at once
+    (each measuring would time the products twice, against each other's)."""
+    with _WIDE_LOCK:
+        return _wide_rows(shapes, threads)
+
+
+@functools.lru_cache(maxsize=None)
+def _wide_rows(shapes: tuple, threads: int) -> int:
     """The fewest rows of a step from which its products (``shapes``: each product's (outputs,
     inputs), a layer's four) go through fp32-packed weights (``packed(..., f32=True)``: FMAs)
     instead of bf16-packed ones (bf16 dot products), at ``threads`` torch threads (the caller's);
@@ -311,6 +323,9 @@ def wide_rows(shapes: tuple, threads: int) -> int:
             break
         cut = rows
     return cut
+
+
+wide_rows.cache_clear = _wide_rows.cache_clear  # the measured cuts forgotten (tests set ASERVE_WIDE_ROWS)
 
 
 def step_weights(params: list, f32: bool = False) -> list:

@@ -200,7 +200,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "pack a bf16 weight [N, K] for the products below", py::arg("w"),
         py::arg("order") = kOrderPlain, no_gil);
   m.def("pack_f32", &pack_f32, "pack a bf16 weight [N, K] in fp32 for the products below (FMAs)", py::arg("w"),
-        py::arg("order") = kOrderPlain);
+        py::arg("order") = kOrderPlain, no_gil);
   m.def("linear_packed", &linear_packed, "x @ w.T (+ bias) with w packed (CPU, AVX512-BF16)", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("fp32_out") = false, no_gil);
   m.def("linear_packed_add_", &linear_packed_add_, "y += x @ w.T with w packed", no_gil);
