@@ -12,8 +12,7 @@
 #                   an idle instance's core lent to the other's steps)
 #   aserve-disagg   --mode disagg --prefill 1 --decode 1 (TetriInfer's split; serve's default until issue 28)
 #   aserve-adaptive --mode adaptive (1P+1D to start; each instance also prefills, issue 24)
-#   aserve-shared   make serve with --device-share shared (one core an instance always, no lending)
-#   aserve-lend     make serve with --device-share lend (serve's default since issue 60: same as aserve)
+#   aserve-shared   make serve with --device-share shared (one core an instance always: serve before issue 60)
 #   aserve-b256     make serve with --max-num-batched-tokens 256 (instead of the budget the SLO sizes)
 #   vllm-default    vLLM CPU as installed (computes on 1 core, reserves 1)
 #   vllm-best       vLLM CPU on both cores: VLLM_CPU_OMP_THREADS_BIND=0-1, no reserved core
@@ -69,7 +68,6 @@ start_server() {  # $1: server name; echoes the pid
     aserve-disagg)   cd "$ROOT" && exec "${aserve[@]}" --mode disagg --prefill 1 --decode 1 ;;
     aserve-adaptive) cd "$ROOT" && exec "${aserve[@]}" --mode adaptive ;;
     aserve-shared)   cd "$ROOT" && exec "${aserve[@]}" --device-share shared ;;
-    aserve-lend)     cd "$ROOT" && exec "${aserve[@]}" --device-share lend ;;
     aserve-b256)     cd "$ROOT" && exec "${aserve[@]}" --max-num-batched-tokens 256 ;;
     vllm-default)    exec "${vllm[@]}" ;;
     vllm-best)       VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 exec "${vllm[@]}" ;;
