@@ -98,9 +98,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)  # [T, hidden]
         if self._native_step(x, meta):
             cos, sin = self.rope.cos[positions].float(), self.rope.sin[positions].float()
-            hidden, taps = native.llama_forward(x, cos, sin, self._step_weights(x.shape[0]), self.norm.weight, kv,
+            hidden, taps = native.llama_forward(x, cos, sin, self._step_weights(), self.norm.weight, kv,
                                                 meta, self.args.num_heads, self.args.norm_eps,
-                                                self.layers[0].attn.scale, tap_layer, tap_rows)
+                                                self.layers[0].attn.scale, tap_layer, tap_rows,
+                                                widen=self._widen(x.shape[0]))
             return hidden, taps if tap_layer else None
         rope = self.rope.tables(positions, x.dtype)
         taps = None
@@ -122,36 +123,36 @@ class LlamaForCausalLM(nn.Module):
                 and (not meta.prefills or (self.args.head_dim in (32, 64, 128)  # paged_prefill's layouts
                                            and self.args.num_heads // self.args.num_kv_heads <= 8)))
 
-    def _step_weights(self, rows: int) -> list:
+    def _step_weights(self) -> list:
         """The six weights of each layer in ``llama_forward``'s order, the four matrices packed
-        (``native.step_weights``): in fp32 for a step of at least ``native.wide_rows`` rows (its
-        cut measured on this model's layer shapes at the step's thread count, once a process),
-        else in bf16. Packed once; a weight changed in place or moved since (its version counter
-        or data pointer) has the lists rebuilt. The check reads two attributes a weight:
-        ``native.packed`` for each of the 121 matrices took 0.2 ms of a 10 ms step."""
+        (``native.step_weights``). Packed once; a weight changed in place or moved since (its
+        version counter or data pointer) has the list rebuilt. The check reads two attributes a
+        weight: ``native.packed`` for each of the 121 matrices took 0.2 ms of a 10 ms step."""
         if getattr(self, "_step_params", None) is None:
             self._step_params = [w for b in self.layers for w in (
                 b.attn_norm.weight, b.attn.qkv_proj.weight, b.attn.o_proj.weight, b.mlp_norm.weight,
                 b.mlp.gate_up_proj.weight, b.mlp.down_proj.weight)]
-            self._step_key, self._step_packed = None, {}
+            self._step_key, self._step_packed = None, None
             self._layer_shapes = tuple(tuple(w.shape) for w in self._step_params[:6] if w.dim() == 2)
         key = [(p._version, p.data_ptr()) for p in self._step_params]
         if key != self._step_key:
-            self._step_packed, self._step_key = {}, key
-        self._wide_from = wide_from = native.wide_rows(self._layer_shapes, torch.get_num_threads())
-        # the fp32 list is made once the cut is known (a warm-up step makes it), used from the cut up
-        kinds = (False, True) if wide_from else (False,)
-        for f32 in kinds:
-            if f32 not in self._step_packed:
-                self._step_packed[f32] = native.step_weights(self._step_params, f32=f32)
-        return self._step_packed[bool(wide_from) and rows >= wide_from]
+            self._step_packed, self._step_key = native.step_weights(self._step_params), key
+        return self._step_packed
+
+    def _widen(self, rows: int) -> bool:
+        """Whether a product of ``rows`` rows widens its bf16 weights to fp32 FMAs (from
+        ``native.wide_rows`` rows, measured on this model's layer shapes at the caller's thread
+        count, once a process) instead of taking bf16 dot products."""
+        self._step_weights()  # the layer shapes
+        wide_from = native.wide_rows(self._layer_shapes, torch.get_num_threads())
+        return bool(wide_from) and rows >= wide_from
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> float32 logits [N, vocab]; from the rows a step's layers took
-        fp32-packed weights at (``_step_weights``), the head's too (the default model's: 113 MB)."""
-        wide_from = getattr(self, "_wide_from", 0)
+        """hidden: [N, hidden] -> float32 logits [N, vocab], widened as a step's layers are from
+        as many rows (``_widen``)."""
+        native_head = self.native and native.packable(hidden, self.embed.weight)
         return native.logits(hidden, self.embed.weight if self.lm_head is None else self.lm_head.weight, self.native,
-                             f32=bool(wide_from) and hidden.shape[0] >= wide_from)
+                             widen=native_head and self._widen(hidden.shape[0]))
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy weights named as in HF's ``LlamaForCausalLM``, fusing q/k/v and gate/up."""

@@ -9,16 +9,14 @@ cached under ~/.cache/torch_extensions/aserve), and skipped with a clear reason 
 - ``paged_prefill``: causal attention of prompt chunks over the pool, bf16 (``paged_prefill_bf16.cpp``);
 - ``llama_forward``: a whole step of a bf16 LLaMA model (prompt chunks and decode tokens) in one
   call (``model/csrc/llama_forward.cpp``), so the ~25 small ops per layer are not dispatched one by one.
-  Its products take bf16-packed weights (bf16 dot products), or, in steps of at least
-  ``wide_rows`` rows, the same groups packed in fp32 (FMAs): on CPUs whose bf16 dot products issue
-  at half the rate of fp32 FMAs (a Xeon with AVX512-BF16 and no AMX) that is 1.3-1.8x faster from
-  16 rows up; ``wide_rows`` measures where, once a process.
+  Its products take bf16 dot products over the packed weights, or, in steps of at least
+  ``wide_rows`` rows, widen the same packed bf16 weights to fp32 in registers and take FMAs: on
+  CPUs whose bf16 dot products issue at half the rate of fp32 FMAs (a Xeon with AVX512-BF16 and no
+  AMX) that is 1.2-1.8x faster from 8 rows up; ``wide_rows`` measures where, once a process.
 
 The packed copy of a weight lives on the weight tensor itself (an attribute) and is remade when
 the weight changes in place or moves: a bf16 model on the CPU holds its weights twice (the
-default model: 270 MB more), the torch layout for everything else that reads them, and where
-``wide_rows`` takes fp32-packed steps, its layers' matrices and LM head a third time in fp32 (537 MB
-more).
+default model: 270 MB more), the torch layout for everything else that reads them.
 
 Each call lets the GIL go while it runs: a cluster's instances, its length predictor and its event
 loop are threads of one process, and must not wait for one another's kernels.
@@ -53,7 +51,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [str(_CSRC / name) for name in
             ("paged_attention.cpp", "paged_decode_bf16.cpp", "paged_prefill_bf16.cpp", "gemm_bf16.cpp",
              "llama_forward.cpp")]
-_VERSION = "aserve_native_v10"
+_VERSION = "aserve_native_v11"
 KERNELS = ("auto", "native", "unfused", "fallback")  # EngineConfig.kernels (see the module doc)
 
 
@@ -194,16 +192,15 @@ def packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and bf16_linear_available())
 
 
-def packed(weight: torch.Tensor, gate_up: bool = False, f32: bool = False) -> torch.Tensor:
+def packed(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
     """The packed copy of a bf16 ``weight`` [N, K] (``gate_up``: a fused [gate; up] weight in the
-    order ``silu_mul`` reads; ``f32``: in fp32, for FMAs, see ``wide_rows``), made on first use and
-    remade if the weight changed since."""
-    key = "_aserve_packed" + ("_gate_up" if gate_up else "") + ("_f32" if f32 else "")
+    order ``silu_mul`` reads), made on first use and remade if the weight changed since."""
+    key = "_aserve_packed" + ("_gate_up" if gate_up else "")
     cached = getattr(weight, key, None)  # (version, data pointer, packed tensor)
     if cached is not None and cached[0] == weight._version and cached[1] == weight.data_ptr():
         return cached[2]
     mod = load()
-    p = (mod.pack_f32 if f32 else mod.pack_bf16)(weight.detach(), mod.ORDER_GATE_UP if gate_up else mod.ORDER_PLAIN)
+    p = mod.pack_bf16(weight.detach(), mod.ORDER_GATE_UP if gate_up else mod.ORDER_PLAIN)
     setattr(weight, key, (weight._version, weight.data_ptr(), p))
     return p
 
@@ -218,13 +215,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return F.linear(x, weight, bias)
 
 
-def logits(x: torch.Tensor, weight: torch.Tensor, native: bool = True, f32: bool = False) -> torch.Tensor:
+def logits(x: torch.Tensor, weight: torch.Tensor, native: bool = True, widen: bool = False) -> torch.Tensor:
     """An LM head's fp32 logits [N, vocab]. Where the packed kernel applies, its fp32 sums are
     returned as they are: rounding logits to bf16 (steps of 0.125 between 16 and 32) turned
     near-ties into ties, and a tie into the wrong greedy token; elsewhere (and with ``native``
-    False) the model dtype's. ``f32``: through the fp32-packed weight (``wide_rows``)."""
+    False) the model dtype's. ``widen``: FMAs over the weight widened to fp32 (``wide_rows``)."""
     if native and packable(x, weight):
-        return load().linear_packed(x, packed(weight, f32=f32), weight.shape[0], None, True)
+        return load().linear_packed(x, packed(weight), weight.shape[0], None, True, widen)
     return F.linear(x, weight).float()
 
 
@@ -256,12 +253,12 @@ def prefill_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and heads % kv_heads == 0 and heads // kv_heads <= 8 and bf16_linear_available())
 
 
-# step sizes wide_rows compares the two packed kinds at. Not below 32: one layer's products timed
-# alone stay in cache, and there fp32 won from 16 rows, but in the default model's steps, whose
-# 424 MB of fp32 weights come from memory, 16 rows tied (decode 72.5 ms bf16, 73.6 fp32; from 24
-# rows fp32 led: 96.7 against 106.5, and a 48-token chunk 93 against 132)
-WIDE_ROWS_TRIED = (32, 64, 128, 256)
-WIDE_GAIN = 1.1  # the fp32 kind is taken where it was at least this much faster
+# step sizes wide_rows compares the two ways at: the same bf16 bytes either way, so one layer's
+# products timed in cache rank them as a step's do (the default model's 121 products at one thread
+# on a Xeon whose bf16 dot products issue at half the FMA rate, dot / widened: 1 row 19.7 / 20.0 ms,
+# 4 rows 24.2 / 22.3, 8 rows 32.9 / 29.1, 16 rows 58.1 / 44.4, 32 rows 108 / 75, 256 rows 806 / 503)
+WIDE_ROWS_TRIED = (4, 8, 16, 32, 64)
+WIDE_GAIN = 1.1  # widening is taken where it was at least this much faster
 
 
 _WIDE_LOCK = threading.Lock()
@@ -277,16 +274,15 @@ def wide_rows(shapes: tuple, threads: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _wide_rows(shapes: tuple, threads: int) -> int:
     """The fewest rows of a step from which its products (``shapes``: each product's (outputs,
-    inputs), a layer's four) go through fp32-packed weights (``packed(..., f32=True)``: FMAs)
-    instead of bf16-packed ones (bf16 dot products), at ``threads`` torch threads (the caller's);
-    0: never. Measured once a process per thread count (0.1-0.5 s): a layer's products timed both
-    ways in turns at ``WIDE_ROWS_TRIED`` rows; the smallest size from which fp32 is ``WIDE_GAIN``
-    faster at every larger size is taken. Where bf16 dot products issue at half the rate of fp32
-    FMAs (a 2-core Xeon with AVX512-BF16 and no AMX: 86 against 175 GFLOP/s a core with
-    independent chains), the fp32 kind wins once the rows hide its twice-as-many weight bytes:
-    110-122 against 88 GFLOP/s at 16 rows, 150-162 against 87 at 64 and more (the default model's
-    four products, one thread); at 1-8 rows, where the weights' bytes are the bound, bf16 leads.
-    ``ASERVE_WIDE_ROWS=N`` sets it (0: never)."""
+    inputs), a layer's four) widen the packed bf16 weights to fp32 in registers and take FMAs
+    (``llama_forward(..., widen=True)``) instead of bf16 dot products, at ``threads`` torch
+    threads (the caller's); 0: never. Measured once a process per thread count (0.1-0.3 s): a
+    layer's products timed both ways in turns at ``WIDE_ROWS_TRIED`` rows; the smallest size from
+    which widening is ``WIDE_GAIN`` faster at every larger size is taken. Where bf16 dot products
+    issue at half the rate of fp32 FMAs (a 2-core Xeon with AVX512-BF16 and no AMX: 86 against 175
+    GFLOP/s a core), widening wins once the rows are enough to make the products compute-bound
+    (1.3x at 16 rows, 1.6x from 64); where dot products issue at the FMA rate or above (Zen 4),
+    it never does. ``ASERVE_WIDE_ROWS=N`` sets it (0: never)."""
     env = os.environ.get("ASERVE_WIDE_ROWS")
     if env is not None:
         if not env.isdigit():
@@ -299,22 +295,20 @@ def _wide_rows(shapes: tuple, threads: int) -> int:
     try:
         gen = torch.Generator().manual_seed(0)
         mod = load()
-        weights = []
-        for n, k in shapes:
-            w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
-            weights.append((n, k, mod.pack_bf16(w, mod.ORDER_PLAIN), mod.pack_f32(w, mod.ORDER_PLAIN)))
+        weights = [(n, k, mod.pack_bf16(torch.randn(n, k, generator=gen).to(torch.bfloat16), mod.ORDER_PLAIN))
+                   for n, k in shapes]
         faster = []
         for rows in WIDE_ROWS_TRIED:
-            xs = {k: torch.randn(rows, k, generator=gen).to(torch.bfloat16) for _, k, _, _ in weights}
-            times = {0: [], 1: []}  # bf16-packed, fp32-packed
+            xs = {k: torch.randn(rows, k, generator=gen).to(torch.bfloat16) for _, k, _ in weights}
+            times = {False: [], True: []}  # dot products, widened
             for rep in range(6):  # the first of each unmeasured: a first call sets things up
-                for kind, seen in times.items():
+                for widen, seen in times.items():
                     t0 = time.perf_counter()
-                    for n, k, *kinds in weights:
-                        mod.linear_packed(xs[k], kinds[kind], n, None)
+                    for n, k, w in weights:
+                        mod.linear_packed(xs[k], w, n, None, False, widen)
                     if rep:
                         seen.append(time.perf_counter() - t0)
-            faster.append(min(times[0]) >= WIDE_GAIN * min(times[1]))
+            faster.append(min(times[False]) >= WIDE_GAIN * min(times[True]))
     finally:
         torch.set_num_threads(before)
     cut = 0
@@ -328,31 +322,31 @@ def _wide_rows(shapes: tuple, threads: int) -> int:
 wide_rows.cache_clear = _wide_rows.cache_clear  # the measured cuts forgotten (tests set ASERVE_WIDE_ROWS)
 
 
-def step_weights(params: list, f32: bool = False) -> list:
+def step_weights(params: list) -> list:
     """``llama_forward``'s weights from the six Parameters of each layer (attn_norm, qkv, o,
-    mlp_norm, gate_up, down): the norms as they are, the four matrices packed (``f32``: in fp32)."""
+    mlp_norm, gate_up, down): the norms as they are, the four matrices packed."""
     step = []
     for i in range(0, len(params), 6):
         attn_norm, qkv, o, mlp_norm, gate_up, down = params[i:i + 6]
-        step += [attn_norm, packed(qkv, f32=f32), packed(o, f32=f32), mlp_norm,
-                 packed(gate_up, gate_up=True, f32=f32), packed(down, f32=f32)]
+        step += [attn_norm, packed(qkv), packed(o), mlp_norm, packed(gate_up, gate_up=True), packed(down)]
     return step
 
 
 def llama_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: list, final_norm: torch.Tensor,
                   kv: torch.Tensor, meta, num_heads: int, eps: float, scale: float, tap_layer: int = 0,
-                  tap_rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  tap_rows: Optional[torch.Tensor] = None, widen: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole step through every layer (prompt chunks, decode tokens, pad rows): x [T, E] bf16
     embeddings -> (final-normed hidden [T, E], taps [R, E]): the taps are ``tap_rows`` after
     ``tap_layer`` layers through the final norm (empty unless asked); ``weights`` as
-    ``step_weights`` makes them (either packed kind); ``meta`` is the step's ``AttentionMeta``."""
+    ``step_weights`` makes them; ``widen``: the products widen the weights to fp32 FMAs instead of
+    taking bf16 dot products (``wide_rows``); ``meta`` is the step's ``AttentionMeta``."""
     seqs, seq_tables = meta.chunk_tables
     dec_tables, dec_lens = meta.decode_block_tables, meta.decode_ctx_lens
     if dec_tables is None:
         dec_tables, dec_lens = _NO_ROWS, _NO_ROWS[:, 0]
     return tuple(load().llama_forward(x, cos, sin, weights, final_norm, kv, meta.slot_mapping, seqs, seq_tables,
                                       dec_tables, dec_lens, num_heads, eps, scale, tap_layer,
-                                      _NO_ROWS[:, 0] if tap_rows is None else tap_rows))
+                                      _NO_ROWS[:, 0] if tap_rows is None else tap_rows, widen))
 
 
 _NO_ROWS = torch.zeros(0, 3, dtype=torch.long)  # no chunk (as [P, 3]) or no decode row

@@ -50,7 +50,7 @@ def test_bf16_default_engine_says_paris_through_the_one_call_step(monkeypatch):
     give the fp32 model's answer."""
     calls = []
     real = native.llama_forward
-    monkeypatch.setattr(native, "llama_forward", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(native, "llama_forward", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     llm = LLM(EngineConfig(dtype="bf16", kv_cache_gb=0.05))
     out = llm.generate([DECISIVE_QUESTION], SamplingParams(max_tokens=24, temperature=0))[0]
     assert out.text == "The capital of France is Paris."

@@ -110,11 +110,13 @@ def test_linear_packed_matches_float_reference(path, rows, n, k, bias):
 
 @needs_bf16
 @pytest.mark.parametrize("threads", [1, 2])  # two: groups split between threads by k, summed in parts
-@pytest.mark.parametrize("rows", [1, 6, 13, 64])
+@pytest.mark.parametrize("rows", [1, 6, 13, 64, 100])  # 100: widened once a group (kWidenOnceRows)
 @pytest.mark.parametrize("n,k,bias", [(13, 64, False), (576, 1536, True), (1000, 1536, True), (70, 2, False)])
-def test_fp32_packed_products_match_the_bf16_packed_ones(threads, rows, n, k, bias):
-    """The fp32-packed kind (``pack_f32``, FMAs) gives the float reference as the bf16 kind does,
-    through every epilogue: plain with bias, fp32 sums, the residual add and SwiGLU."""
+def test_fp32_products_match_the_bf16_ones(threads, rows, n, k, bias):
+    """The fp32-packed kind (``pack_f32``, FMAs) gives the float reference as the bf16 dot products
+    do, through every epilogue: plain with bias, fp32 sums, the residual add and SwiGLU; and the
+    bf16-packed weights widened to fp32 (``widen``, what steps take from ``wide_rows`` rows) give
+    the fp32 kind's results bit for bit."""
     mod = native.load()
     g = torch.Generator().manual_seed(n + k + rows)
     x = torch.randn(rows, k, generator=g).bfloat16()
@@ -129,18 +131,24 @@ def test_fp32_packed_products_match_the_bf16_packed_ones(threads, rows, n, k, bi
         for packed in (p16, p32):
             got = mod.linear_packed(x, packed, n, b)
             assert got.dtype == torch.bfloat16 and _close_to_float(got, want, k)
+        assert torch.equal(mod.linear_packed(x, p16, n, b, widen=True), mod.linear_packed(x, p32, n, b))
         sums = mod.linear_packed(x, p32, n, None, True)
         assert sums.dtype == torch.float32 and (sums - F.linear(x.float(), w.float())).abs().max().item() <= 1e-3
+        assert torch.equal(mod.linear_packed(x, p16, n, None, True, True), sums)
         h16 = torch.randn(rows, n, generator=g).bfloat16()
-        h32 = h16.clone()
+        h32, hw = h16.clone(), h16.clone()
         mod.linear_packed_add_(h16, x, p16)
         mod.linear_packed_add_(h32, x, p32)
+        mod.linear_packed_add_(hw, x, p16, widen=True)
         assert (h16.float() - h32.float()).abs().max().item() <= 0.02 * h16.abs().max().item() + 1e-2
+        assert torch.equal(hw, h32)
         if n % 64 == 0:  # SwiGLU: a fused gate_up of n = 2 I rows, packed in gate-up order
-            a16 = mod.silu_mul_packed(x, mod.pack_bf16(w, mod.ORDER_GATE_UP))
+            g16 = mod.pack_bf16(w, mod.ORDER_GATE_UP)
+            a16 = mod.silu_mul_packed(x, g16)
             a32 = mod.silu_mul_packed(x, mod.pack_f32(w, mod.ORDER_GATE_UP))
             assert a32.shape == (rows, n // 2)
             assert (a16.float() - a32.float()).abs().max().item() <= 0.02 * a16.abs().max().item() + 1e-2
+            assert torch.equal(mod.silu_mul_packed(x, g16, widen=True), a32)
     finally:
         torch.set_num_threads(before)
 
@@ -308,12 +316,14 @@ def test_llama_forward_step_matches_op_by_op(kind):
 
 @needs_bf16
 @pytest.mark.parametrize("kind", list(STEPS))
-def test_fp32_packed_step_matches_the_bf16_packed_step(kind, monkeypatch):
-    """A step whose products take fp32-packed weights (``native.wide_rows``, forced here for every
-    step) gives the bf16-packed step's hidden states and K/V within bf16 rounding, and is as close
-    to an fp32 run: the two kinds a CPU picks between by size stay in step."""
+def test_widened_step_matches_the_dot_product_step(kind, monkeypatch):
+    """A step whose products widen the weights to fp32 FMAs (``native.wide_rows``, forced here for
+    every step) gives the bf16 dot products' hidden states and K/V within bf16 rounding, and is as
+    close to an fp32 run: the two ways a CPU picks between by size stay in step."""
     model, runner, step, (r32, m32) = _llama_setup(kind, "native", "native")
     before_kv = runner.kv.pool.clone()
+    widened, forward = [], native.llama_forward  # which way each step went (the real call runs)
+    monkeypatch.setattr(native, "llama_forward", lambda *a, **kw: (widened.append(kw["widen"]), forward(*a, **kw))[1])
     with torch.inference_mode():
         ids, pos, meta, *_ = runner._prepare(step)
         monkeypatch.setenv("ASERVE_WIDE_ROWS", "0")
@@ -324,7 +334,7 @@ def test_fp32_packed_step_matches_the_bf16_packed_step(kind, monkeypatch):
         monkeypatch.setenv("ASERVE_WIDE_ROWS", "1")
         native.wide_rows.cache_clear()
         wide = model(ids, pos, meta, runner.kv.pool).float()
-        assert model._step_packed[True][1].dtype == torch.float32  # it went the fp32 way
+        assert widened == [False, True]
         ids32, pos32, meta32, *_ = r32._prepare(step)
         exact = m32(ids32, pos32, meta32, r32.kv.pool)
     native.wide_rows.cache_clear()
@@ -480,7 +490,7 @@ def test_build_is_named_after_the_instruction_set():
     avx512 = "#define __AVX2__ 1\n#define __AVX512F__ 1"
     assert native.isa_key(avx512) == native.isa_key(avx512) and len(native.isa_key(avx512)) == 12
     assert native.isa_key(avx512) != native.isa_key(avx512 + "\n#define __AVX512BF16__ 1")
-    assert native.build_name().startswith(f"aserve_native_v10_{native.isa_key(native._native_target())}_")
+    assert native.build_name().startswith(f"{native._VERSION}_{native.isa_key(native._native_target())}_")
 
 
 @needs_native

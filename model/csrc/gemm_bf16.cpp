@@ -33,6 +33,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -50,6 +51,11 @@ constexpr int kMaxRows = 6;                // x rows a block: 6 x 4 sums + 4 wei
 // took the default model's 120 layer weights from 9.2 to 8.3 ms at 1 row (8 KiB and L3 the same;
 // into L1, at 1-4 KiB, slower); at 32 rows, where the product is compute-bound, it changes nothing.
 constexpr int64_t kPrefetchBytes = 4096;
+// From how many x rows a widened product widens each group once into an fp32 copy (widen_group)
+// instead of in registers at every block of rows. The default model's 121 products at one thread
+// (Xeon, 2026-11-29), in registers / once: 16 rows 41 / 53 ms, 32 rows 73 / 85, 64 rows 134 / 133,
+// 128 rows 257 / 243, 256 rows 494 / 451 (as fast as weights packed in fp32 ahead, at half the bytes)
+constexpr int64_t kWidenOnceRows = 96;
 
 // packed row r of group g holds source row src_row(g, r), or -1 (zero padding)
 int64_t src_row(int64_t order, int64_t N, int64_t g, int64_t r) {
@@ -65,6 +71,10 @@ int64_t src_row(int64_t order, int64_t N, int64_t g, int64_t r) {
 // The fp32 sums of one block: x rows m0 .. m0 + MB, outputs of group g (64, or 32 for SwiGLU).
 template <int MB>
 using Sums = __m512[MB][kTiles];
+// The three ways a block's sums are made: bf16 dot products over bf16-packed weights, FMAs over
+// fp32-packed ones (pack_f32, x in fp32), or FMAs over bf16-packed weights widened to fp32 in
+// registers (x in fp32: the fp32 kind's sums, bit for bit, from half its weight bytes).
+constexpr int kDot = 0, kF32 = 1, kWiden = 2;
 
 inline void store_bf16(bf16* dst, __m512 v, int64_t valid) {  // valid of the 16 values
   const __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
@@ -91,7 +101,7 @@ inline __m512 round_bf16(__m512 v) {  // what storing as bf16 and reading back g
 // nearly twice the sums a cycle once the rows are enough to hide the reads. A step's weights are
 // 256 bytes either way.
 // Always inlined: out of line, its sums went through memory and the products ran 3-4x slower.
-template <bool F32, int MB>
+template <int KIND, int MB>
 __attribute__((always_inline)) inline void block_sums(const void* xv, int64_t ldx, const void* wv, int64_t KS,
                                                       Sums<MB>& acc) {
 #pragma GCC unroll 8
@@ -105,9 +115,27 @@ __attribute__((always_inline)) inline void block_sums(const void* xv, int64_t ld
     _mm_prefetch(ahead + 128, _MM_HINT_T1), _mm_prefetch(ahead + 192, _MM_HINT_T1);
     const __m512i w0 = _mm512_load_si512(wk), w1 = _mm512_load_si512(wk + 64), w2 = _mm512_load_si512(wk + 128),
                   w3 = _mm512_load_si512(wk + 192);
+    if constexpr (KIND == kWiden) {
+      // bf16 pairs widened in registers: a pair's low half is k (shifted up), its high half k + 1
+      // (masked), each an exact fp32; per row, k's FMA then k + 1's, the fp32 kind's order
+      const float* x = static_cast<const float*>(xv) + 2 * k;
+      const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+      const __m512i ws[kTiles] = {w0, w1, w2, w3};
+#pragma GCC unroll 4
+      for (int t = 0; t < kTiles; ++t) {
+        const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(ws[t], 16));
+        const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(ws[t], hi));
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {
+          acc[m][t] = _mm512_fmadd_ps(we, _mm512_set1_ps(x[m * ldx]), acc[m][t]);
+          acc[m][t] = _mm512_fmadd_ps(wo, _mm512_set1_ps(x[m * ldx + 1]), acc[m][t]);
+        }
+      }
+      continue;
+    }
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
-      if constexpr (F32) {
+      if constexpr (KIND == kF32) {
         const __m512 xb = _mm512_set1_ps(static_cast<const float*>(xv)[m * ldx + k]);
         acc[m][0] = _mm512_fmadd_ps(_mm512_castsi512_ps(w0), xb, acc[m][0]);
         acc[m][1] = _mm512_fmadd_ps(_mm512_castsi512_ps(w1), xb, acc[m][1]);
@@ -131,8 +159,10 @@ struct Job {
   int epilogue;         // kStore, kStoreF32, kAddInto, kSiluMul
   const float* bias;    // kStore and kStoreF32, may be null
   void* y;              // [M, N] bf16 (fp32 for kStoreF32)
-  const float* xf = nullptr;  // x in fp32 [M, K] where w is packed fp32 (pack_f32); then w is float
-  int64_t steps() const { return xf ? K : K / 2; }  // k steps of a group: single ks (fp32) or k-pairs
+  const float* xf = nullptr;  // x in fp32 [M, K] where w is packed fp32 (pack_f32), or widened
+  bool widen = false;         // bf16-packed w, FMAs over it widened (kWiden)
+  int kind() const { return widen ? kWiden : xf ? kF32 : kDot; }
+  int64_t steps() const { return kind() == kF32 ? K : K / 2; }  // k steps of a group: single ks (fp32) or k-pairs
 };
 constexpr int kStore = 0, kAddInto = 1, kSiluMul = 2, kStoreF32 = 3;
 
@@ -171,28 +201,55 @@ __attribute__((always_inline)) inline void finish(const Job& j, int64_t m0, int6
 // Rows m0 .. m0 + MB of group g over the k-pairs [k0, k1): finished (the epilogue) when the range
 // is the whole group, else its sums stored in part [M, 64] for the caller to add up.
 template <int MB>
-void run_block(const Job& j, int64_t m0, int64_t g, int64_t k0, int64_t k1, float* part) {
+void run_block(const Job& j, int64_t m0, int64_t g, int64_t k0, int64_t k1, float* part, const float* wide) {
   const int64_t KS = j.steps();
   Sums<MB> acc;
   const char* w = reinterpret_cast<const char*>(j.w) + (g * KS + k0) * 256;  // 256 bytes a k step
-  if (j.xf)
-    block_sums<true, MB>(j.xf + m0 * KS + k0, KS, w, k1 - k0, acc);
+  if (wide)  // the group's k-pairs widened once (widen_group): the fp32 kind's FMAs over them
+    block_sums<kF32, MB>(j.xf + m0 * j.K + 2 * k0, j.K, wide, 2 * (k1 - k0), acc);
+  else if (j.widen)
+    block_sums<kWiden, MB>(j.xf + m0 * j.K + 2 * k0, j.K, w, k1 - k0, acc);
+  else if (j.xf)
+    block_sums<kF32, MB>(j.xf + m0 * KS + k0, KS, w, k1 - k0, acc);
   else
-    block_sums<false, MB>(reinterpret_cast<const uint32_t*>(j.x) + m0 * KS + k0, KS, w, k1 - k0, acc);
+    block_sums<kDot, MB>(reinterpret_cast<const uint32_t*>(j.x) + m0 * KS + k0, KS, w, k1 - k0, acc);
   if (part == nullptr) return finish<MB>(j, m0, g, acc);
   for (int m = 0; m < MB; ++m)
     for (int t = 0; t < kTiles; ++t) _mm512_storeu_ps(part + (m0 + m) * kGroup + t * kTile, acc[m][t]);
 }
 
+// Group g's k-pairs [k0, k1) widened to fp32 in the fp32 kind's layout ([2 (k1 - k0), 64]), into buf.
+void widen_group(const Job& j, int64_t g, int64_t k0, int64_t k1, float* buf) {
+  const char* w = reinterpret_cast<const char*>(j.w) + (g * j.steps() + k0) * 256;
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < k1 - k0; ++k)
+    for (int t = 0; t < kTiles; ++t) {
+      const __m512i v = _mm512_load_si512(w + k * 256 + t * 64);
+      _mm512_store_ps(buf + 2 * k * kGroup + t * kTile, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+      _mm512_store_ps(buf + (2 * k + 1) * kGroup + t * kTile, _mm512_castsi512_ps(_mm512_and_si512(v, hi)));
+    }
+}
+
 void run_group(const Job& j, int64_t g, int64_t k0, int64_t k1, float* part) {
+  // widened products of many rows widen the group once into an L2-resident fp32 copy and run the
+  // fp32 kind over it: the register widening of each block (8 uops a k-pair beside up to 48 FMAs)
+  // is paid once instead of once a block
+  const float* wide = nullptr;
+  if (j.widen && j.M >= kWidenOnceRows) {
+    thread_local std::vector<float> buf;
+    buf.resize(static_cast<size_t>(2 * (k1 - k0) * kGroup + kTile));  // + room to align to 64 bytes
+    float* at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+    widen_group(j, g, k0, k1, at);
+    wide = at;
+  }
   int64_t m = 0;
-  for (; m + kMaxRows <= j.M; m += kMaxRows) run_block<kMaxRows>(j, m, g, k0, k1, part);
+  for (; m + kMaxRows <= j.M; m += kMaxRows) run_block<kMaxRows>(j, m, g, k0, k1, part, wide);
   switch (j.M - m) {
-    case 1: run_block<1>(j, m, g, k0, k1, part); break;
-    case 2: run_block<2>(j, m, g, k0, k1, part); break;
-    case 3: run_block<3>(j, m, g, k0, k1, part); break;
-    case 4: run_block<4>(j, m, g, k0, k1, part); break;
-    case 5: run_block<5>(j, m, g, k0, k1, part); break;
+    case 1: run_block<1>(j, m, g, k0, k1, part, wide); break;
+    case 2: run_block<2>(j, m, g, k0, k1, part, wide); break;
+    case 3: run_block<3>(j, m, g, k0, k1, part, wide); break;
+    case 4: run_block<4>(j, m, g, k0, k1, part, wide); break;
+    case 5: run_block<5>(j, m, g, k0, k1, part, wide); break;
     default: break;
   }
 }
@@ -318,9 +375,10 @@ torch::Tensor pack_f32(torch::Tensor w, int64_t order) {
 namespace {
 // The job of x times a packed weight of either kind: an fp32 weight takes x in fp32 (held in xf).
 Job make_job(const torch::Tensor& xc, const torch::Tensor& packed, torch::Tensor& xf, int64_t n, int epilogue,
-             const float* bias, void* y) {
+             const float* bias, void* y, bool widen) {
   Job j{xc.data_ptr<bf16>(), static_cast<const bf16*>(packed.data_ptr()), xc.size(0), xc.size(1), n, epilogue, bias, y};
-  if (packed.scalar_type() == at::kFloat) {
+  j.widen = widen && packed.scalar_type() == at::kBFloat16;
+  if (packed.scalar_type() == at::kFloat || j.widen) {
     xf = xc.to(at::kFloat).contiguous();
     j.xf = xf.data_ptr<float>();
   }
@@ -330,7 +388,7 @@ Job make_job(const torch::Tensor& xc, const torch::Tensor& packed, torch::Tensor
 #endif
 
 torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, std::optional<torch::Tensor> bias,
-                            bool fp32_out) {
+                            bool fp32_out, bool widen) {
   check_product(x, packed, n);
   const auto xc = x.contiguous();
   torch::Tensor b;
@@ -343,30 +401,30 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, st
   torch::Tensor xf;
   if (xc.size(0) > 0)
     run(make_job(xc, packed, xf, n, fp32_out ? kStoreF32 : kStore, bias.has_value() ? b.data_ptr<float>() : nullptr,
-                 y.data_ptr()));
+                 y.data_ptr(), widen));
 #endif
   return y;
 }
 
-void linear_packed_add_(torch::Tensor y, torch::Tensor x, torch::Tensor packed) {
+void linear_packed_add_(torch::Tensor y, torch::Tensor x, torch::Tensor packed, bool widen) {
   check_product(x, packed, y.size(1));
   TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(0) && y.is_contiguous() && y.scalar_type() == at::kBFloat16,
               "linear_packed_add_: y must be a contiguous bf16 [M, N]");
   const auto xc = x.contiguous();
 #ifdef ASERVE_BF16_DP
   torch::Tensor xf;
-  if (xc.size(0) > 0) run(make_job(xc, packed, xf, y.size(1), kAddInto, nullptr, y.data_ptr<bf16>()));
+  if (xc.size(0) > 0) run(make_job(xc, packed, xf, y.size(1), kAddInto, nullptr, y.data_ptr<bf16>(), widen));
 #endif
 }
 
-torch::Tensor silu_mul_packed(torch::Tensor x, torch::Tensor packed) {
+torch::Tensor silu_mul_packed(torch::Tensor x, torch::Tensor packed, bool widen) {
   const int64_t I = packed.size(0) * kGroup / 2;
   check_product(x, packed, 2 * I);
   const auto xc = x.contiguous();
   auto y = torch::empty({xc.size(0), I}, xc.options());
 #ifdef ASERVE_BF16_DP
   torch::Tensor xf;
-  if (xc.size(0) > 0) run(make_job(xc, packed, xf, I, kSiluMul, nullptr, y.data_ptr<bf16>()));
+  if (xc.size(0) > 0) run(make_job(xc, packed, xf, I, kSiluMul, nullptr, y.data_ptr<bf16>(), widen));
 #endif
   return y;
 }

@@ -22,13 +22,14 @@ torch::Tensor pack_bf16(torch::Tensor w, int64_t order);
 // packed kind (an fp32 one with x widened to fp32, and FMAs instead of bf16 dot products).
 torch::Tensor pack_f32(torch::Tensor w, int64_t order);
 // x [M, K] bf16 @ w.T (+ bias) with w packed plain; n = w's row count. Returns [M, n] bf16, or
-// the fp32 sums unrounded with fp32_out.
+// the fp32 sums unrounded with fp32_out. widen (the three products): a bf16-packed w is widened
+// to fp32 in registers and multiplied with FMAs, as an fp32-packed one is (ignored for fp32 w).
 torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, std::optional<torch::Tensor> bias,
-                            bool fp32_out = false);
+                            bool fp32_out = false, bool widen = false);
 // y [M, N] += bf16(x @ w.T), w packed plain: a linear and a residual add in one pass.
-void linear_packed_add_(torch::Tensor y, torch::Tensor x, torch::Tensor packed);
+void linear_packed_add_(torch::Tensor y, torch::Tensor x, torch::Tensor packed, bool widen = false);
 // silu(x @ gate.T) * (x @ up.T) with the gate_up weight packed kOrderGateUp: [M, I] bf16.
-torch::Tensor silu_mul_packed(torch::Tensor x, torch::Tensor packed);
+torch::Tensor silu_mul_packed(torch::Tensor x, torch::Tensor packed, bool widen = false);
 // Reads every byte of t once (256 bytes a step, asked into L2 ahead as the products do) and
 // returns a sum of them: the memory probe of `aserve bench engine`.
 double read_pass(torch::Tensor t);
@@ -50,7 +51,7 @@ std::vector<torch::Tensor> llama_forward(torch::Tensor x, torch::Tensor cos, tor
                                          std::vector<torch::Tensor> layers, torch::Tensor final_norm, torch::Tensor kv,
                                          torch::Tensor slots, torch::Tensor seqs, torch::Tensor seq_tables,
                                          torch::Tensor dec_tables, torch::Tensor dec_lens, int64_t num_heads, double eps,
-                                         double scale, int64_t tap_layer, torch::Tensor tap_rows);
+                                         double scale, int64_t tap_layer, torch::Tensor tap_rows, bool widen = false);
 
 #if defined(__AVX512F__)
 // 16 bf16 values -> 16 fp32 (a bf16 is the top half of an fp32: exact)

@@ -106,7 +106,7 @@ std::vector<torch::Tensor> llama_forward(torch::Tensor x, torch::Tensor cos, tor
                                          std::vector<torch::Tensor> layers, torch::Tensor final_norm, torch::Tensor kv,
                                          torch::Tensor slots, torch::Tensor seqs, torch::Tensor seq_tables,
                                          torch::Tensor dec_tables, torch::Tensor dec_lens, int64_t num_heads, double eps,
-                                         double scale, int64_t tap_layer, torch::Tensor tap_rows) {
+                                         double scale, int64_t tap_layer, torch::Tensor tap_rows, bool widen) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "llama_forward: x [T, E] bf16 CPU");
   TORCH_CHECK(kv.dim() == 6 && kv.scalar_type() == at::kBFloat16 && kv.is_contiguous(), "llama_forward: kv pool");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "llama_forward: fp32 RoPE tables");
@@ -145,7 +145,7 @@ std::vector<torch::Tensor> llama_forward(torch::Tensor x, torch::Tensor cos, tor
     bf16* vc = v_cache.data_ptr<bf16>();
 
     rms_norm(hp, w[0].data_ptr<bf16>(), np, T, E, fe);
-    const auto qkv = linear_packed(normed, w[1], qkv_width, std::nullopt);
+    const auto qkv = linear_packed(normed, w[1], qkv_width, std::nullopt, false, widen);
     const bf16* qkvp = qkv.data_ptr<bf16>();
     for (int64_t t = 0; t < N; ++t) {
       const bf16* row = qkvp + t * qkv_width;
@@ -164,10 +164,10 @@ std::vector<torch::Tensor> llama_forward(torch::Tensor x, torch::Tensor cos, tor
     if (B > 0)
       attn.narrow(0, num_prefill, B).copy_(paged_decode(q.narrow(0, num_prefill, B), k_cache, v_cache, dec_tables,
                                                         dec_lens, scale));
-    linear_packed_add_(h, attn.view({T, H * D}), w[2]);
+    linear_packed_add_(h, attn.view({T, H * D}), w[2], widen);
 
     rms_norm(hp, w[3].data_ptr<bf16>(), np, T, E, fe);
-    linear_packed_add_(h, silu_mul_packed(normed, w[4]), w[5]);
+    linear_packed_add_(h, silu_mul_packed(normed, w[4], widen), w[5], widen);
     if (l + 1 == tap_layer) {  // the tapped rows after this layer, normed as a truncated model's output
       const auto rows = h.index_select(0, tap_rows.contiguous());
       rms_norm(rows.data_ptr<bf16>(), final_norm.data_ptr<bf16>(), taps.data_ptr<bf16>(), rows.size(0), E, fe);

@@ -202,10 +202,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_f32", &pack_f32, "pack a bf16 weight [N, K] in fp32 for the products below (FMAs)", py::arg("w"),
         py::arg("order") = kOrderPlain, no_gil);
   m.def("linear_packed", &linear_packed, "x @ w.T (+ bias) with w packed (CPU, AVX512-BF16)", py::arg("x"),
-        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("fp32_out") = false, no_gil);
-  m.def("linear_packed_add_", &linear_packed_add_, "y += x @ w.T with w packed", no_gil);
+        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("fp32_out") = false,
+        py::arg("widen") = false, no_gil);
+  m.def("linear_packed_add_", &linear_packed_add_, "y += x @ w.T with w packed", py::arg("y"), py::arg("x"),
+        py::arg("packed"), py::arg("widen") = false, no_gil);
   m.def("silu_mul_packed", &silu_mul_packed, "silu(x @ gate.T) * (x @ up.T) with gate_up packed in gate-up order",
-        no_gil);
+        py::arg("x"), py::arg("packed"), py::arg("widen") = false, no_gil);
   m.def("llama_forward", &llama_forward, "a LLaMA step through every layer: chunks and decode tokens (CPU, bf16)",
         no_gil);
   m.def("paged_prefill", [](torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor seqs,
