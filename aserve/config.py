@@ -10,6 +10,9 @@ from model.native import KERNELS
 from scheduling import registry
 
 
+STEP_BUDGETS = ("fixed", "sized")  # EngineConfig.step_budget
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What one instance's engine needs: the model, its dtype and device, the KV pool, batching."""
@@ -28,6 +31,10 @@ class EngineConfig:
     max_num_batched_tokens: Optional[int] = 512
     tbt_slo: Optional[float] = None  # seconds a step may take, the measured budget's SLO (None: 5x a decode step)
     budget_context: Optional[int] = None  # context the measured budget holds its SLO at (None: the model's)
+    # sarathi: fixed (every step within the budget) | sized (a step's prompts may take what its decodes,
+    # at their contexts, leave of the step time the budget was sized for: scheduling/coupled.py StepRoom)
+    step_budget: str = "fixed"
+    step_limit_s: Optional[float] = None  # sized: the step time a step's prompts fill (None: tbt_slo's)
     max_num_seqs: int = 256
     batching: str = "sarathi"  # coupled policy: sarathi | vllm | alise
     swap_gb: float = 0.25  # host swap space for preempted KV (alise, decode swap)
@@ -66,6 +73,10 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.tbt_slo is not None and not self.tbt_slo > 0:
             raise ValueError(f"--tbt-slo must be > 0 seconds, got {self.tbt_slo}")
+        if self.step_limit_s is not None and not self.step_limit_s > 0:
+            raise ValueError(f"--step-limit must be > 0 seconds, got {self.step_limit_s}")
+        if self.step_budget not in STEP_BUDGETS:
+            raise ValueError(f"bad step_budget {self.step_budget!r}: choose one of {', '.join(STEP_BUDGETS)}")
         if not (self.device == "cpu" or self.device.startswith("cuda") or self.device.startswith("sim:")):
             raise ValueError(f"bad device {self.device!r}: cpu, cuda[:i] or sim:PROFILE")
 

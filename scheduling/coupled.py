@@ -9,7 +9,9 @@ the sampled tokens. The rules follow the schedulers of Sarathi-Serve's code base
   waiting requests fit (budget, sequence cap, KV), an iteration of whole prompts only; otherwise
   a decode-only iteration. Never mixes the two. Its budget is the model's context length.
 - ``sarathi`` (stall-free, Sarathi-Serve Alg. 3): every running decode first, then the next
-  chunks of prompts already admitted, then new requests, within ``max_num_batched_tokens``.
+  chunks of prompts already admitted, then new requests, within ``max_num_batched_tokens``; with
+  a ``StepRoom`` (``BatchingConfig.step_room``, serve's default) the prompts may take more: what
+  the step's decodes, at their contexts, leave of the step time the budget was sized for.
 - ``alise`` (scheduling/alise.py): speculative, preemptive, from predicted lengths.
 
 Shared by vllm and sarathi, as in their block managers: a request is admitted only when blocks
@@ -24,7 +26,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Callable, ClassVar, Optional
 
 from scheduling.base import Scheduler
 from scheduling.block_manager import BlockManager, blocks_needed
@@ -35,10 +37,44 @@ from scheduling.step import EMPTY_PLAN, StepEvents, StepOutput, StepPlan, seq_st
 
 
 @dataclass(frozen=True)
+class StepRoom:
+    """The budget per step, sized as Sarathi-Serve sizes its one budget, but at the step's own
+    decodes: the most prompt rows whose step stays within ``limit_s``. The one budget is sized for
+    a worst case (32 decodes at the model's whole context: 48 rows of a 968 ms step, the default
+    model on one core), and a step whose decodes read 300 tokens each has room for 500 more in
+    the same time. ``step_s(prompt_rows, prompt_start, decode_rows, decode_context)``: a step's
+    seconds (the device's cost model: prompt rows as one chunk after ``prompt_start`` cached
+    tokens, decode rows reading ``decode_context`` tokens between them)."""
+
+    limit_s: float
+    step_s: Callable[[int, int, int, int], float]
+    tile: int = 16  # rows are sized in multiples of this
+
+    def __post_init__(self):
+        if not self.limit_s > 0 or self.tile < 1:
+            raise ValueError(f"step room needs limit_s > 0 and tile >= 1, got {self.limit_s}, {self.tile}")
+
+    def rows(self, decodes: int, context: int, start: int, most: int) -> int:
+        """Prompt rows beside ``decodes`` decode rows reading ``context`` tokens, the chunk after
+        ``start`` cached tokens: the most, up to ``most``, within the limit (0 if none fits)."""
+        if most <= 0 or self.step_s(most, start, decodes, context) <= self.limit_s:
+            return max(0, most)
+        lo, hi = 0, most  # lo fits (no rows), hi does not: a step's time grows with its rows
+        while hi - lo > self.tile:
+            mid = (lo + hi) // 2
+            if self.step_s(mid, start, decodes, context) <= self.limit_s:
+                lo = mid
+            else:
+                hi = mid
+        return lo // self.tile * self.tile
+
+
+@dataclass(frozen=True)
 class BatchingConfig:
     max_num_batched_tokens: int = 512  # token budget of one step
     max_num_seqs: int = 256  # requests in one batch at most
     watermark: float = 0.01  # share of the pool kept free when admitting (vLLM's block manager)
+    step_room: Optional[StepRoom] = None  # sarathi: prompt rows sized a step at a time (None: the budget)
 
     def __post_init__(self):
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -208,7 +244,7 @@ class SarathiScheduler(CoupledScheduler):
         plan: dict[str, int] = {}
         budget = self.max_num_batched_tokens
         self._sort_running()
-        queue, prefilling = list(self.running), []
+        queue, prefilling, context = list(self.running), [], 0
         while queue:  # decodes first, in priority order; a prompt already admitted waits its turn
             req = queue.pop(0)
             if req.num_uncomputed_tokens > 1:
@@ -216,6 +252,8 @@ class SarathiScheduler(CoupledScheduler):
             elif self._decode_or_preempt(req, queue, preempted):
                 plan[req.request_id] = 1
                 budget -= 1
+                context += req.num_tokens
+        budget = self._prompt_rows(budget, len(plan), context, prefilling)
         for req in prefilling:  # the next chunk of every admitted prompt (its blocks are there)
             if req.status is Status.RUNNING and budget > 0:
                 plan[req.request_id] = min(req.num_uncomputed_tokens, budget)
@@ -228,6 +266,25 @@ class SarathiScheduler(CoupledScheduler):
             plan[req.request_id] = min(req.num_uncomputed_tokens, budget)
             budget -= plan[req.request_id]
         return self._to_plan(plan, preempted)
+
+    def _prompt_rows(self, left: int, decodes: int, context: int, prefilling: list[Request]) -> int:
+        """Rows this step's prompts may take: ``left`` (what its decodes leave of the budget), or,
+        with a step room, the most that keeps the step within its limit beside these ``decodes``
+        (reading ``context`` tokens), where that is more. Sized for the prompts there are (the
+        admitted ones' chunks, then the queue's, walked only as far as the room could reach)."""
+        room = self.config.step_room
+        if room is None:
+            return left
+        most = room.rows(decodes, context, 0, 1 << 20)  # the room, were every row the start of a prompt
+        want, start = 0, None
+        for req in itertools.chain(prefilling, self.waiting):
+            if want >= most:
+                break
+            want += req.num_uncomputed_tokens
+            start = req.num_computed_tokens if start is None else start
+        if want <= left:
+            return left
+        return max(left, room.rows(decodes, context, start or 0, min(want, most)))
 
 
 class VllmScheduler(CoupledScheduler):

@@ -17,7 +17,7 @@ from scheduling import registry
 from scheduling.alise import AliseConfig, AliseScheduler
 from scheduling.block_manager import BlockManager
 from scheduling.clock import FakeClock
-from scheduling.coupled import BatchingConfig
+from scheduling.coupled import BatchingConfig, StepRoom
 from scheduling.request import LengthRange, Request, SamplingParams
 from scheduling.step import StepOutput
 
@@ -203,6 +203,68 @@ def test_sarathi_preempts_under_block_pressure():
         assert_all_done(sched, work)
         total += sched.num_preemptions
     assert total > 0, "the workload must exercise preemption"
+
+
+# a step's seconds as a cost model prices it: a fixed time, a row's, a decode's context token's,
+# a prompt's query-key pair's
+def _toy_step_s(rows: int, start: int, decodes: int, context: int) -> float:
+    return 0.01 + 1e-3 * (rows + decodes) + 1e-5 * context + 1e-6 * rows * (start + (rows + 1) / 2)
+
+
+def test_step_room_is_the_most_rows_within_the_limit():
+    room = StepRoom(0.3, _toy_step_s, tile=16)
+    n = room.rows(10, 3000, 0, 10_000)
+    assert n % 16 == 0 and _toy_step_s(n, 0, 10, 3000) <= 0.3 < _toy_step_s(n + 16, 0, 10, 3000)
+    assert room.rows(10, 3000, 0, 100) == 100  # all it is asked for fits
+    assert room.rows(10, 3000, 500, 10_000) < n  # later in a prompt, each row reads more keys
+    assert room.rows(10, 40_000, 0, 10_000) == 0  # the decodes alone fill the limit
+    with pytest.raises(ValueError, match="limit_s"):
+        StepRoom(0.0, _toy_step_s)
+
+
+def test_sized_steps_give_prompts_what_short_decodes_leave():
+    """Beside 4 decodes at short contexts a 200-token prompt runs whole though the budget is 32;
+    beside decodes whose contexts fill the limit it gets the budget's rows, as fixed steps give."""
+    def scheduler():
+        return registry.get("batching", "sarathi")(BlockManager(2000, 16),
+                                                   BatchingConfig(32, 8, step_room=StepRoom(0.3, _toy_step_s)))
+
+    def decoding(sched, prompt_len):
+        for i in range(4):
+            sched.add_request(Request(f"d{i}", [5] * prompt_len, SamplingParams(max_tokens=50)))
+        while not all(sched.requests[f"d{i}"].output_token_ids for i in range(4)):  # their prompts
+            out = sched.schedule()
+            sched.update(out, StepOutput(sampled={rid: 7 for rid in out.sampled_ids}))
+        sched.add_request(Request("p", [9] * 200, SamplingParams(max_tokens=5)))
+        return sched.schedule().num_scheduled_tokens
+
+    short = decoding(scheduler(), 20)
+    assert short["p"] == 200 and all(short[f"d{i}"] == 1 for i in range(4))
+    long = decoding(scheduler(), 7000)  # 4 x 7001 tokens of context: 0.28 s of a 0.3 s step
+    assert long["p"] == 32 - 4  # the budget's rows: no room beyond them
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_sized_sarathi_steps_stay_within_the_room(seed, mix):
+    """With a step room every step is within its limit (or within the budget, the floor), no
+    decode stalls, and every request ends with its tokens and blocks back."""
+    room = StepRoom(0.06, _toy_step_s)
+    sched = registry.get("batching", "sarathi")(BlockManager(48, BLOCK_SIZE), BatchingConfig(32, 8, step_room=room))
+    floor = sched.max_num_batched_tokens
+
+    def check(sched, out, before):
+        decodes = [rid for rid, (in_prefill, _) in before.items()
+                   if rid in out.num_scheduled_tokens and out.num_scheduled_tokens[rid] == 1 and not in_prefill]
+        rows = out.num_real_tokens - len(decodes)
+        context = sum(sched.requests[rid].num_tokens for rid in decodes if rid in sched.requests)
+        assert out.num_real_tokens <= floor or _toy_step_s(rows, 0, len(decodes), context) <= room.limit_s + 1e-9
+        for rid, (in_prefill, status) in before.items():
+            if status.name == "RUNNING" and not in_prefill:
+                assert rid in out.num_scheduled_tokens or rid in out.preempted_ids, f"decode {rid} stalled"
+
+    drive(sched, make_workload(seed, mix, abort_p=0.15), FakeClock(), check=check)
+    assert sched.blocks.num_free == sched.blocks.num_blocks
 
 
 # ---- vllm ---------------------------------------------------------------------------------

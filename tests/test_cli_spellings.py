@@ -96,3 +96,17 @@ def test_prefix_caching_flags_are_vllms():
             assert build_parser().parse_args([*cmd, *argv]).enable_prefix_caching is want, cmd
     ns = build_parser().parse_args(["replay", "t.jsonl", "--no-prefix-aware-placement"])
     assert ns.prefix_aware_placement is False and ns.enable_prefix_caching is True
+
+
+def test_serve_sizes_steps_unless_a_budget_is_given():
+    """``serve`` sizes each step's prompts at its decodes' contexts by default; a given
+    ``--max-num-batched-tokens`` means that budget (fixed), as do the other commands;
+    ``--step-budget`` says it outright."""
+    from aserve.commands.common import step_budget
+
+    parse = lambda *argv: step_budget(build_parser().parse_args(list(argv)))  # noqa: E731
+    assert parse("serve", "--port", "0") == "sized"
+    assert parse("serve", "--port", "0", "--max-num-batched-tokens", "256") == "fixed"
+    assert parse("serve", "--port", "0", "--max-num-batched-tokens", "256", "--step-budget", "sized") == "sized"
+    assert parse("replay", "t.jsonl") == "fixed" and parse("generate", "hi") == "fixed"
+    assert parse("replay", "t.jsonl", "--step-budget", "sized") == "sized"

@@ -150,3 +150,39 @@ def test_serve_names_its_slo_and_profiles_nothing_it_does_not_need(capsys):
     assert not lazy.costs.resolved  # every setting given: the corner's costs were never needed
     with pytest.raises(ValueError, match="unknown SLO corner 'tight'"):
         serve_slo(build_parser().parse_args(["serve", "--slo", "tight"]))
+
+
+def test_serve_sizes_each_step_at_the_slos_token_gap():
+    """serve (coupled sarathi) sizes a step's prompts at its decodes' contexts within the SLO's
+    token-gap limit (``--step-limit gap``), the token budget a floor: its schedulers carry that
+    room, and the start-up line says so. ``--step-limit tpot`` / seconds, ``--step-budget fixed``
+    and a given ``--max-num-batched-tokens`` change it; a bad limit is named."""
+    from aserve.commands.serve import serve_slo, slo_line
+    from aserve.devices.measured import instance_threads, measured_cost, model_context, step_room
+    from aserve.engine.policies import Policies
+
+    def serve(*flags):
+        a = build_parser().parse_args(["serve", "--device", DEVICE, *flags])
+        slo = serve_slo(a)
+        return a, slo, *engine_and_cluster(a, slo=slo)
+
+    a, slo, engine, cluster = serve()
+    ctx = engine.budget_context or model_context(engine)  # the simulated model's context window
+    assert engine.step_budget == "sized" and engine.step_limit_s == pytest.approx(slo.step_limit_s(ctx, ("token_gap",)))
+    assert engine.step_limit_s == engine.tbt_slo  # the time the budget itself is sized for
+    room = Policies.from_configs(engine, cluster, step_room(engine, cluster)).batching_config.step_room
+    cost = measured_cost(engine, instance_threads(engine, cluster))  # the device's cost model
+    assert room is not None and room.limit_s == engine.step_limit_s
+    assert room.step_s(64, 100, 4, 1200) == cost.room_step_s(64, 100, 4, 1200) == cost.step_s([(64, 100)], [300] * 4, num_sampled=5)
+    assert f"leave room in {engine.step_limit_s * 1000:.0f} ms" in slo_line(a, slo, engine, cluster)
+    # beside few short decodes a step holds far more than the budget sized for 32 at the whole context
+    assert room.rows(4, 4 * 300, 0, 1 << 14) > engine.max_num_batched_tokens
+    assert serve("--step-limit", "tpot")[2].step_limit_s == pytest.approx(slo.step_limit_s(ctx))
+    assert serve("--step-limit", "0.25")[2].step_limit_s == 0.25
+    for flags in (["--step-budget", "fixed"], ["--max-num-batched-tokens", "256"]):
+        engine, cluster = serve(*flags)[2:]
+        assert engine.step_budget == "fixed" and step_room(engine, cluster) is None
+    with pytest.raises(ValueError, match="--step-limit must be > 0"):
+        serve("--step-limit", "0")
+    with pytest.raises(ValueError, match="bad step_budget 'sometimes'"):
+        serve("--step-budget", "sometimes")

@@ -44,7 +44,7 @@ from aserve.engine.bundle import ModelBundle
 from aserve.devices.cores import lender_for
 from aserve.devices.device import CoreShare, Device
 from aserve.devices.factory import DeviceFactory, load_bundle
-from aserve.devices.measured import resolve
+from aserve.devices.measured import resolve, step_room
 from aserve.engine.instance import Instance, StepReport
 from aserve.engine.policies import Policies
 from aserve.engine.stops import StopChecker
@@ -64,7 +64,7 @@ class Cluster:
         self.engine, self.cfg = engine, cfg
         self.clock = clock or MonotonicClock()
         self.bundle = bundle
-        self.policies = Policies.from_configs(engine, cfg)
+        self.policies = Policies.from_configs(engine, cfg, step_room(engine, cfg))
         self.instances: dict[str, Instance] = {}
         self.requests: dict[str, RequestHandle] = {}
         self.log = EventLog()

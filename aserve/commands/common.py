@@ -13,7 +13,8 @@ import argparse
 import json
 from typing import Optional
 
-from aserve.commands.slo_budget import engine_tbt, prefill_tbt_arg, slo_cluster, tbt_slo_arg
+from aserve.commands.slo_budget import (engine_tbt, prefill_tbt_arg, slo_cluster, step_limit, step_limit_arg,
+                                        tbt_slo_arg)
 
 
 def add_switches(g, table) -> None:
@@ -48,6 +49,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "limits (every step within the mean); device = 5x a 32-decode step (Sarathi-Serve's strict "
                         "SLO, the rule without an SLO). Default: gap for a chunked system (sarathi, alise, adaptive) "
                         "where an SLO is in force (serve: always), else device")
+    g.add_argument("--step-budget", default=None, metavar="fixed|sized",
+                   help="sarathi: fixed = every step within the token budget; sized = a step's prompts may take "
+                        "what its decodes, at their contexts, leave of the step time the budget is sized for (the "
+                        "budget a floor). Default: sized for serve where --max-num-batched-tokens is not given, "
+                        "else fixed")
+    g.add_argument("--step-limit", type=step_limit_arg, default=None, metavar="tpot|gap|SECONDS",
+                   help="--step-budget sized: the step time a step's prompts fill, from the SLO in force (gap = "
+                        "its token-gap limit, tpot = the smaller of its TPOT and token-gap limits) or seconds. "
+                        "Default: gap where an SLO is in force, else the token budget's own step time")
     g.add_argument("--max-num-seqs", type=int, default=256, help="requests in one batch at most")
     g.add_argument("--batching", default="sarathi", help="coupled batching policy: sarathi | vllm | alise")
     g.add_argument("--swap-gb", type=float, default=0.25, help="host swap space for preempted KV, GiB")
@@ -309,14 +319,24 @@ def engine_config(a: argparse.Namespace, context: Optional[int] = None, derive: 
     if budget is None and not derive:
         budget = DEFAULT_TOKEN_BUDGET
     tbt = engine_tbt(a, slo, context) if budget is None else (a.tbt_slo if isinstance(a.tbt_slo, float) else None)
+    sized = step_budget(a)
     return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention, kernels=a.kernels,
                         block_size=a.block_size,
                         kv_cache_gb=a.kv_cache_gb, max_num_batched_tokens=budget, tbt_slo=tbt,
-                        budget_context=context,
+                        budget_context=context, step_budget=sized,
+                        step_limit_s=step_limit(a, slo, context) if sized == "sized" else None,
                         max_num_seqs=a.max_num_seqs, batching=a.batching, swap_gb=a.swap_gb,
                         swap_dtype=a.swap_dtype, num_threads=a.threads, enforce_eager=a.enforce_eager,
                         enable_prefix_caching=a.enable_prefix_caching, cache_dir=a.cache_dir, seed=a.seed,
                         allow_profile_mismatch=a.allow_profile_mismatch)
+
+
+def step_budget(a: argparse.Namespace) -> str:
+    """``--step-budget``, or its default: sized where the command sizes steps by default (serve,
+    ``a.sized_steps``) and no ``--max-num-batched-tokens`` fixes the budget, else fixed."""
+    if a.step_budget:
+        return a.step_budget
+    return "sized" if getattr(a, "sized_steps", False) and a.max_num_batched_tokens is None else "fixed"
 
 
 def parse_options(items: list[str], field: str = "option") -> dict:

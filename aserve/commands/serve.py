@@ -81,7 +81,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_engine_args(p)
     # None: serve_predictor.py picks, and says why. Cores follow the load when serving: a lone prompt
     # prefills on every core (TTFT at one stream 746 against 450 ms, docs/notes/peer.md, issue 60)
-    p.set_defaults(func=cmd_serve, predictor=None, device_share="lend")
+    # Steps sized at their decodes' contexts: a budget sized for 32 decodes at 8,192 tokens of context
+    # holds 48 prompt rows; at a chat's few hundred, a step has room for hundreds (issue 60)
+    p.set_defaults(func=cmd_serve, predictor=None, device_share="lend", sized_steps=True)
     return p
 
 
@@ -144,6 +146,10 @@ def slo_line(a: argparse.Namespace, slo, engine, cluster) -> str:
             if not isinstance(a.tbt_slo, float) else ", --tbt-slo)"
     if cluster.mode == "adaptive" and cluster.prefill_token_budget:
         budget += f", prefill instances {cluster.prefill_token_budget} (steps <= {cluster.prefill_tbt_slo * 1000:.0f} ms)"
+    if engine.step_budget == "sized" and engine.batching == "sarathi" and cluster.mode != "adaptive":
+        limit = engine.step_limit_s or engine.tbt_slo
+        budget += ("; a step's prompts may take more, as far as its decodes' contexts leave room in "
+                   + (f"{limit * 1000:.0f} ms" if limit else "that time"))
     return f"{line}; {budget}"
 
 

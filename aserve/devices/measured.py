@@ -128,6 +128,21 @@ def _sized_budget(engine: EngineConfig, c, slo_s: float, context: Optional[int] 
     return c.token_budget(slo_s, BUDGET_DECODE_BATCH, context or engine.budget_context or model_context(engine))
 
 
+def step_room(engine: EngineConfig, cluster: Optional[ClusterConfig] = None):
+    """Sarathi batching with ``step_budget`` sized: the ``StepRoom`` of each instance's steps, at
+    ``step_limit_s`` (else the step time the budget is sized for: ``tbt_slo``, else 5x a 32-decode
+    step at the budget context) on the device's cost model at the instances' threads; else None
+    (the budget alone)."""
+    if engine.step_budget != "sized" or engine.batching != "sarathi":
+        return None
+    from scheduling.coupled import StepRoom
+
+    c = measured_cost(engine, instance_threads(engine, cluster))
+    context = engine.budget_context or model_context(engine)
+    limit = engine.step_limit_s or engine.tbt_slo or c.decode_slo_s(BUDGET_DECODE_BATCH, context)
+    return StepRoom(limit, c.room_step_s)
+
+
 def _placement_costs(cost) -> dict:
     fixed = cost.linear(1)
     return {"placement_step_s": fixed, "placement_prefill_token_s": max(0.0, cost.prefill_s(256) - fixed) / 256,

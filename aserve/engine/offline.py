@@ -21,6 +21,7 @@ from aserve.engine.bundle import ModelBundle, Prompt
 from aserve.engine.instance import Instance, StepReport
 from aserve.engine.policies import Policies
 from aserve.engine.stops import StopChecker
+from aserve.devices.measured import step_room
 from aserve.devices.torch_device import TorchDevice
 from aserve.event_loop import run as run_loop
 from scheduling.clock import Clock, MonotonicClock
@@ -48,8 +49,8 @@ class LLM:
             torch.set_num_threads(cfg.num_threads)  # the calling thread steps the model (inline)
         self.device = TorchDevice("offline", self.bundle, cfg, cfg.num_threads or os.cpu_count() or 1, inline=True)
         self.stops = StopChecker(self.bundle.tokenizer, self.bundle.eos_token_ids)
-        self.instance = Instance("offline", "coupled", self.device, Policies.from_configs(cfg), self.stops,
-                                 self.clock, self)
+        policies = Policies.from_configs(cfg, step_room=step_room(cfg))
+        self.instance = Instance("offline", "coupled", self.device, policies, self.stops, self.clock, self)
         self.blocks = self.instance.blocks
         self._ids = itertools.count()
         self._num_requests = self._num_done = 0  # of the running ``generate``

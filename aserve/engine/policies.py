@@ -21,7 +21,7 @@ from scheduling import registry
 from scheduling.base import Scheduler
 from scheduling.block_manager import BlockManager
 from scheduling.clock import Clock
-from scheduling.coupled import BatchingConfig
+from scheduling.coupled import BatchingConfig, StepRoom
 from scheduling.decode import DecodeConfig
 from scheduling.dispatch import Dispatcher, DispatchConfig
 from scheduling.hybrid import HybridConfig
@@ -48,9 +48,11 @@ class Policies:
     prefix_caching: bool = True  # every instance's block manager keeps and shares full blocks (scheduling/prefix.py)
 
     @staticmethod
-    def from_configs(engine: EngineConfig, cluster: Optional[ClusterConfig] = None) -> "Policies":
-        """The offline engine needs only ``engine`` (it runs the coupled role)."""
-        batching = BatchingConfig(engine.max_num_batched_tokens, engine.max_num_seqs)
+    def from_configs(engine: EngineConfig, cluster: Optional[ClusterConfig] = None,
+                     step_room: Optional[StepRoom] = None) -> "Policies":
+        """The offline engine needs only ``engine`` (it runs the coupled role). ``step_room``: sized
+        Sarathi steps (``aserve.devices.measured.step_room``, which the caller measures)."""
+        batching = BatchingConfig(engine.max_num_batched_tokens, engine.max_num_seqs, step_room=step_room)
         if cluster is None:
             return Policies(batching=engine.batching, batching_config=batching,
                             prefix_caching=engine.enable_prefix_caching)

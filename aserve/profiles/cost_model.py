@@ -115,6 +115,13 @@ class CostModel:
                 num_sampled += 1
         return self._priced(rows, num_sampled, sum(pairs), context, busy_neighbours)
 
+    def room_step_s(self, prompt_rows: int, prompt_start: int, decode_rows: int, decode_context: int) -> float:
+        """A step of one prompt chunk (``prompt_rows`` after ``prompt_start`` cached tokens) and
+        ``decode_rows`` decodes reading ``decode_context`` tokens between them: ``step_s`` from the
+        sums alone, as a step room sizes a step (scheduling/coupled.py ``StepRoom``)."""
+        pairs = self.prefill_pairs(prompt_rows, prompt_start) if prompt_rows > 0 else 0.0
+        return self._priced(prompt_rows + decode_rows, decode_rows + (prompt_rows > 0), pairs, decode_context, 0)
+
     def prefill_s(self, num_tokens: int, start: int = 0) -> float:
         return self.step_s([(num_tokens, start)])
 
