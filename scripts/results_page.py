@@ -179,14 +179,21 @@ def render_engine_cpu(d: dict, plot: Callable):
     return t, plot(draw), reading
 
 
+PEER_FIGURES = {"output_tokens_per_s": "output tok/s", "ttft_median_ms": "TTFT median ms", "ttft_p95_ms": "TTFT p95 ms",
+                "itl_median_ms": "ITL median ms", "itl_p95_ms": "ITL p95 ms"}
+
+
 def render_peer(d: dict, plot: Callable):
-    runs, col = d["runs"], {c: i for i, c in enumerate(d["columns"])}
-    figures = {"output_tokens_per_s": "output tok/s", "ttft_median_ms": "TTFT median ms", "ttft_p95_ms": "TTFT p95 ms",
-               "itl_median_ms": "ITL median ms", "itl_p95_ms": "ITL p95 ms"}
-    rows = [[server] + [" / ".join(raw(v[col[c]]) for v in by_streams.values()) for c in figures]
-            for server, by_streams in runs.items()]
+    """The peer table: ``runs`` (the main shape) and, where present, ``shapes`` (others, each with
+    its own ``runs`` and ``workload``): a row per server and shape, a reading per shape."""
+    col = {c: i for i, c in enumerate(d["columns"])}
+    shapes = {d.get("shape", ""): d} | {name: s for name, s in d.get("shapes", {}).items()}
+    rows = [[server + (f" ({name})" if name and len(shapes) > 1 else "")]
+            + [" / ".join(raw(v[col[c]]) for v in by_streams.values()) for c in PEER_FIGURES]
+            for name, s in shapes.items() for server, by_streams in s["runs"].items()]
+    runs = d["runs"]
     streams = " / ".join(runs[next(iter(runs))])
-    t = table([f"server (at {streams} streams)"] + list(figures.values()), rows)
+    t = table([f"server (at {streams} streams)"] + list(PEER_FIGURES.values()), rows)
 
     def draw(ax):
         for server, by_streams in runs.items():
@@ -199,6 +206,14 @@ def render_peer(d: dict, plot: Callable):
         ax.legend(fontsize=8)
 
     ours, peer = "aserve", "vllm-best"
+    head = (f"`{ours}` is what `make serve` runs: {d['servers'][ours].split(': ', 1)[-1]}; `{peer}` is "
+            f"{d['servers'][peer].split(' (')[0]}. ")
+    readings = [_peer_reading(s["runs"], col, ours, peer, s["workload"]) for s in shapes.values()]
+    return t, plot(draw), head + " ".join(readings)
+
+
+def _peer_reading(runs: dict, col: dict, ours: str, peer: str, workload: str) -> str:
+    """One shape's cells: how many ``ours`` leads, its tokens/s ratios, and each cell it loses."""
     better = {"output_tokens_per_s": 1, "ttft_median_ms": -1, "ttft_p95_ms": -1, "itl_median_ms": -1, "itl_p95_ms": -1}
     label = {"output_tokens_per_s": "output tok/s", "ttft_median_ms": "TTFT median", "ttft_p95_ms": "TTFT p95",
              "itl_median_ms": "ITL median", "itl_p95_ms": "ITL p95"}
@@ -210,14 +225,13 @@ def render_peer(d: dict, plot: Callable):
     ratios = [runs[ours][s][col["output_tokens_per_s"]] / runs[peer][s][col["output_tokens_per_s"]] for s in runs[ours]]
     ok = sum(v[col["ok"]] for r in runs.values() for v in r.values())
     errored = sum(v[col["errored"]] for r in runs.values() for v in r.values())
-    reading = (f"`{ours}` (what `make serve` runs: {d['servers'][ours].split(': ', 1)[-1]}) leads `{peer}` "
-               f"({d['servers'][peer].split(' (')[0]}) in {len(leads)} of {len(leads) + len(loses)} cells; its output "
-               f"tokens/s are {', '.join(f'{x:.2f}x' for x in ratios)} vLLM's at {', '.join(runs[ours])} streams"
-               + (f" (ahead at every concurrency)" if min(ratios) > 1 else "") + f". It loses {len(loses)}: "
-               + "; ".join(f"{label[c]} at {s} stream{'s' if s != '1' else ''}, {raw(a)} against {raw(b)}"
-                           + ("" if c == "output_tokens_per_s" else " ms") for s, c, a, b in loses)
-               + f". Every request of every run completed ({ok} ok, {errored} errored). {d['workload']}.")
-    return t, plot(draw), reading
+    return (f"{workload}: `{ours}` leads in {len(leads)} of {len(leads) + len(loses)} cells; its output tokens/s are "
+            f"{', '.join(f'{x:.2f}x' for x in ratios)} vLLM's at {', '.join(runs[ours])} streams"
+            + (" (ahead at every concurrency)" if min(ratios) > 1 else "") + f". It loses {len(loses)}"
+            + (": " if loses else "")
+            + "; ".join(f"{label[c]} at {s} stream{'s' if s != '1' else ''}, {raw(a)} against {raw(b)}"
+                        + ("" if c == "output_tokens_per_s" else " ms") for s, c, a, b in loses)
+            + f". Requests: {ok} ok, {errored} errored.")
 
 
 def render_predictor(d: dict, plot: Callable):
