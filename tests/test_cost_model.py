@@ -96,15 +96,14 @@ def test_profile_cache_is_per_machine(tmp_path):
 def test_command_line_defaults_come_from_the_profile(tmp_path):
     """The flags leave the measured defaults unset, and one start-up step (``measured.resolve``,
     which ``Cluster`` runs too) fills them in from the saved profile; resolving twice changes nothing."""
-    from aserve.profiles.device_profile import PROFILE_VERSION, machine
+    from aserve.profiles.device_profile import identity
     from aserve.commands import build_parser
     from aserve.commands.common import cluster_config, engine_and_cluster, engine_config
     from aserve.devices.measured import BUDGET_DECODE_BATCH, model_context, resolve
     from aserve.profiles.profile_store import save_cost_model, save_token_budget
 
     cache = str(tmp_path)
-    mine = CostModel(COST.tokens, COST.linear_s, COST.attn_prefill_s, COST.attn_decode_s,
-                     meta={"machine": machine(), "version": PROFILE_VERSION})
+    mine = CostModel(COST.tokens, COST.linear_s, COST.attn_prefill_s, COST.attn_decode_s, meta=identity())
     save_cost_model(cache, "default", "cpu", "auto", 1, mine)  # coupled x2 on 2 threads: 1 each
 
     def args(*flags):

@@ -116,7 +116,7 @@ def test_saved_budget_is_the_sarathi_default(tmp_path):
     from aserve.commands.common import engine_config
     from aserve.devices.measured import resolve
     from aserve.profiles.cost_model import CostModel
-    from aserve.profiles.device_profile import PROFILE_VERSION, machine
+    from aserve.profiles.device_profile import identity
     from aserve.profiles.profile_store import save_cost_model, save_token_budget, token_budget
 
     cache = str(tmp_path)
@@ -133,7 +133,7 @@ def test_saved_budget_is_the_sarathi_default(tmp_path):
     assert budget("7", "--batching", "alise") == 384  # alise chunks within the same budget
     assert budget("7", "--max-num-batched-tokens", "100") == 100  # the user's value wins
     # 5 threads were not profiled for a budget: derived from the measured engine's step costs
-    cost = CostModel((1, 1024), (0.01, 0.5), 1e-9, 5e-8, meta={"machine": machine(), "version": PROFILE_VERSION})
+    cost = CostModel((1, 1024), (0.01, 0.5), 1e-9, 5e-8, meta=identity())
     save_cost_model(cache, "default", "cpu", "auto", 5, cost)
     assert budget("5") == cost.token_budget(cost.decode_slo_s(32, 512), 32, 512)
 

@@ -148,21 +148,21 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, device: str, threads: in
         torch.set_num_threads(before)
     seen = {"others_cores_during": rest.others_cores(first, rest.sample()),
             "probe_first_s": linear[GRID.index(PROBE_ROWS)], "probe_last_s": probe_last}
-    info = {**(meta or {}), "threads": threads, "machine": machine(), "cpu_flags": cpu_flags(),
+    info = {**(meta or {}), "threads": threads, "cpu_flags": cpu_flags(),
             "date": date.today().isoformat(), "reps": reps, "checks": checks,
             "contention_measured": contention is not None, "contention_pairs": contention_pairs,
-            "version": PROFILE_VERSION, "rest": seen, "kernels_build": _kernels_build()}
+            "rest": seen, **identity()}
     return CostModel(GRID, tuple(linear), fitted.attn_prefill_s, fitted.attn_decode_s, contention or 0.0, info,
                      logits_row_s=logits_row)
 
 
-def _kernels_build() -> str:
-    """The version of our C++ kernels' sources (``model.native._VERSION``): a step's cost changes
-    with them (widened products made a 16-row decode 1.2x faster), so a profile measured with
-    other ones is measured again."""
+def identity() -> dict:
+    """What a saved profile must match to be used on this machine as it is: the machine, the
+    measurement's version, and our C++ kernels' sources (``model.native._VERSION``: a step's cost
+    changes with them; widened products made a 16-row decode 1.2x faster)."""
     from model import native
 
-    return native._VERSION
+    return {"machine": machine(), "version": PROFILE_VERSION, "kernels_build": native._VERSION}
 
 
 def _logits_row_s(runner: ModelRunner, dtype: torch.dtype, reps: int) -> float:
@@ -275,7 +275,7 @@ def load_or_measure(cfg, threads: int, quiet: bool = False) -> CostModel:
             cost.meta, profile_check.instance_fields(cfg, threads, cost.meta, same_machine=True))):
         cost = None
     why = "once, for the chunk size and the token budget"
-    if cost is not None and cost.meta.get("kernels_build") != _kernels_build():
+    if cost is not None and cost.meta.get("kernels_build") != identity()["kernels_build"]:
         cost, why = None, "again: aserve's kernels changed since the saved one was measured"
     if cost is not None and key not in _KEPT_BUSY and not cost.meta.get("rest", {}).get("at_rest", True):
         if rest.verdict(rest.look(), None)["at_rest"]:  # measured busy, and the machine is at rest now: again
