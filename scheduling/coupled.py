@@ -36,13 +36,16 @@ from scheduling.request import Request, Status
 from scheduling.step import EMPTY_PLAN, StepEvents, StepOutput, StepPlan, seq_step
 
 
+ROOM_MOST = 1 << 14  # prompt rows a sized step holds at most (the cost model prices each size it tries once)
+
+
 @dataclass(frozen=True)
 class StepRoom:
     """The budget per step, sized as Sarathi-Serve sizes its one budget, but at the step's own
     decodes: the most prompt rows whose step stays within ``limit_s``. The one budget is sized for
-    a worst case (32 decodes at the model's whole context: 48 rows of a 968 ms step, the default
-    model on one core), and a step whose decodes read 300 tokens each has room for 500 more in
-    the same time. ``step_s(prompt_rows, prompt_start, decode_rows, decode_context)``: a step's
+    a worst case (32 decodes at the model's whole context: 48 rows of a step of about a second, the
+    default model on one core), and a step whose decodes read 300 tokens each has room for
+    hundreds more in the same time. ``step_s(prompt_rows, prompt_start, decode_rows, decode_context)``: a step's
     seconds (the device's cost model: prompt rows as one chunk after ``prompt_start`` cached
     tokens, decode rows reading ``decode_context`` tokens between them)."""
 
@@ -275,7 +278,7 @@ class SarathiScheduler(CoupledScheduler):
         room = self.config.step_room
         if room is None:
             return left
-        most = room.rows(decodes, context, 0, 1 << 20)  # the room, were every row the start of a prompt
+        most = room.rows(decodes, context, 0, ROOM_MOST)  # the room, were every row the start of a prompt
         want, start = 0, None
         for req in itertools.chain(prefilling, self.waiting):
             if want >= most:
