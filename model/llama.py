@@ -143,7 +143,8 @@ class LlamaForCausalLM(nn.Module):
         """Whether a product of ``rows`` rows widens its bf16 weights to fp32 FMAs (from
         ``native.wide_rows`` rows, measured on this model's layer shapes at the caller's thread
         count, once a process) instead of taking bf16 dot products."""
-        self._step_weights()  # the layer shapes
+        if getattr(self, "_step_params", None) is None:
+            self._step_weights()  # the layer shapes (not the whole check of every weight again)
         wide_from = native.wide_rows(self._layer_shapes, torch.get_num_threads())
         return bool(wide_from) and rows >= wide_from
 

@@ -195,7 +195,7 @@ def packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def packed(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
     """The packed copy of a bf16 ``weight`` [N, K] (``gate_up``: a fused [gate; up] weight in the
     order ``silu_mul`` reads), made on first use and remade if the weight changed since."""
-    key = "_aserve_packed" + ("_gate_up" if gate_up else "")
+    key = "_aserve_packed_gate_up" if gate_up else "_aserve_packed"
     cached = getattr(weight, key, None)  # (version, data pointer, packed tensor)
     if cached is not None and cached[0] == weight._version and cached[1] == weight.data_ptr():
         return cached[2]
