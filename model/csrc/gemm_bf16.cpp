@@ -88,18 +88,26 @@ inline __m512 widen(const bf16* src, int64_t valid) {  // widen16 of the first v
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// A packed zmm of 16 (k, k + 1) bf16 pairs widened to fp32, each exact: k's values (the low
+// halves, shifted up) and k + 1's (the high halves, the low ones masked off).
+inline __m512 even_k(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+inline __m512 odd_k(__m512i pairs) {
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 inline __m512 round_bf16(__m512 v) {  // what storing as bf16 and reading back gives
   const __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
 
-// The fp32 sums of one block over KS k steps. bf16 weights (pack_bf16): a step is a k-pair, four
-// bf16 dot products a row. fp32 weights (pack_f32, F32): a step is one k of fp32 x, four FMAs a
-// row: where bf16 dot products issue at half the rate of fp32 FMAs (a Xeon with AVX512-BF16 and no
-// AMX: 86 against 175 GFLOP/s a core, measured with independent chains), twice the bytes buy
-// nearly twice the sums a cycle once the rows are enough to hide the reads. A step's weights are
-// 256 bytes either way.
+// The fp32 sums of one block over KS k steps. kDot (pack_bf16): a step is a k-pair, four bf16 dot
+// products a row. kF32 (pack_f32, or a group widened once): a step is one k of fp32 x, four FMAs
+// a row. kWiden (pack_bf16): a step is a k-pair widened to fp32 in registers, eight FMAs a row in
+// kF32's order. Where bf16 dot products issue at half the rate of fp32 FMAs (a Xeon with
+// AVX512-BF16 and no AMX: 86 against 175 GFLOP/s a core, measured with independent chains), the
+// FMAs give nearly twice the sums a cycle once the rows are enough to make the product
+// compute-bound. A step's weights are 256 bytes in every kind.
 // Always inlined: out of line, its sums went through memory and the products ran 3-4x slower.
 template <int KIND, int MB>
 __attribute__((always_inline)) inline void block_sums(const void* xv, int64_t ldx, const void* wv, int64_t KS,
@@ -116,15 +124,12 @@ __attribute__((always_inline)) inline void block_sums(const void* xv, int64_t ld
     const __m512i w0 = _mm512_load_si512(wk), w1 = _mm512_load_si512(wk + 64), w2 = _mm512_load_si512(wk + 128),
                   w3 = _mm512_load_si512(wk + 192);
     if constexpr (KIND == kWiden) {
-      // bf16 pairs widened in registers: a pair's low half is k (shifted up), its high half k + 1
-      // (masked), each an exact fp32; per row, k's FMA then k + 1's, the fp32 kind's order
+      // the bf16 pairs widened in registers; per row, k's FMA then k + 1's, the fp32 kind's order
       const float* x = static_cast<const float*>(xv) + 2 * k;
-      const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
       const __m512i ws[kTiles] = {w0, w1, w2, w3};
 #pragma GCC unroll 4
       for (int t = 0; t < kTiles; ++t) {
-        const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(ws[t], 16));
-        const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(ws[t], hi));
+        const __m512 we = even_k(ws[t]), wo = odd_k(ws[t]);
 #pragma GCC unroll 8
         for (int m = 0; m < MB; ++m) {
           acc[m][t] = _mm512_fmadd_ps(we, _mm512_set1_ps(x[m * ldx]), acc[m][t]);
@@ -221,12 +226,11 @@ void run_block(const Job& j, int64_t m0, int64_t g, int64_t k0, int64_t k1, floa
 // Group g's k-pairs [k0, k1) widened to fp32 in the fp32 kind's layout ([2 (k1 - k0), 64]), into buf.
 void widen_group(const Job& j, int64_t g, int64_t k0, int64_t k1, float* buf) {
   const char* w = reinterpret_cast<const char*>(j.w) + (g * j.steps() + k0) * 256;
-  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k = 0; k < k1 - k0; ++k)
     for (int t = 0; t < kTiles; ++t) {
       const __m512i v = _mm512_load_si512(w + k * 256 + t * 64);
-      _mm512_store_ps(buf + 2 * k * kGroup + t * kTile, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-      _mm512_store_ps(buf + (2 * k + 1) * kGroup + t * kTile, _mm512_castsi512_ps(_mm512_and_si512(v, hi)));
+      _mm512_store_ps(buf + 2 * k * kGroup + t * kTile, even_k(v));
+      _mm512_store_ps(buf + (2 * k + 1) * kGroup + t * kTile, odd_k(v));
     }
 }
 
