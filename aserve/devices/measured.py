@@ -118,8 +118,13 @@ def _token_budget(engine: EngineConfig, threads: int, cost) -> int:
     if saved:
         return saved
     c = cost()
-    context = engine.budget_context or model_context(engine)
-    return _sized_budget(engine, c, engine.tbt_slo or c.decode_slo_s(BUDGET_DECODE_BATCH, context), context)
+    return _sized_budget(engine, c, _budget_step_s(engine, c))
+
+
+def _budget_step_s(engine: EngineConfig, c) -> float:
+    """The step time the token budget is sized for: ``tbt_slo``, else 5x a 32-decode step at the
+    budget context (the model's context window unless given)."""
+    return engine.tbt_slo or c.decode_slo_s(BUDGET_DECODE_BATCH, engine.budget_context or model_context(engine))
 
 
 def _sized_budget(engine: EngineConfig, c, slo_s: float, context: Optional[int] = None) -> int:
@@ -138,9 +143,7 @@ def step_room(engine: EngineConfig, cluster: Optional[ClusterConfig] = None):
     from scheduling.coupled import StepRoom
 
     c = measured_cost(engine, instance_threads(engine, cluster))
-    context = engine.budget_context or model_context(engine)
-    limit = engine.step_limit_s or engine.tbt_slo or c.decode_slo_s(BUDGET_DECODE_BATCH, context)
-    return StepRoom(limit, c.room_step_s)
+    return StepRoom(engine.step_limit_s or _budget_step_s(engine, c), c.room_step_s)
 
 
 def _placement_costs(cost) -> dict:
