@@ -43,6 +43,9 @@ class EngineConfig:
     # CUDA: True runs every step eagerly; False replays decode steps as CUDA graphs captured at start
     # (aserve/devices/cuda_graphs.py; vLLM's flag of the same name)
     enforce_eager: bool = False
+    # CUDA graphs of up to 16 decode rows capture the fused Triton step (model/fused_step.py: five
+    # kernels a layer) where the model takes it, instead of torch's ops
+    fused_step: bool = True
     # automatic prefix caching (scheduling/prefix.py, vLLM's flag): full KV blocks are kept after
     # their requests end, found by content (and cache_salt) and shared; evicted least recently used
     enable_prefix_caching: bool = True

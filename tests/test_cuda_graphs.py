@@ -113,6 +113,8 @@ def test_enforce_eager_is_a_flag_of_every_engine_command():
     a = build_parser().parse_args(["replay", "traces/Mixed.jsonl", "--enforce-eager"])
     assert a.enforce_eager
     assert not build_parser().parse_args(["replay", "traces/Mixed.jsonl"]).enforce_eager
+    assert build_parser().parse_args(["replay", "traces/Mixed.jsonl"]).fused_step  # where the model takes it
+    assert not build_parser().parse_args(["serve", "--no-fused-step"]).fused_step
 
 
 # --- on a card: captured graphs replayed against eager steps --------------------------------------

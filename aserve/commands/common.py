@@ -67,6 +67,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (default: decode steps replay CUDA graphs captured at start-up, "
                         "one per batch and context bucket)")
+    g.add_argument("--fused-step", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: decode steps of up to 16 rows are captured over the fused Triton step (five kernels a "
+                        "layer, LLaMA family in bf16/fp16) instead of torch's ops (default: on where it applies)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="automatic prefix caching: full KV blocks stay cached after their requests end and a prompt "
                         "starts on the longest cached chain of its blocks (same cache_salt only); evicted least "
@@ -326,7 +329,7 @@ def engine_config(a: argparse.Namespace, context: Optional[int] = None, derive: 
                         budget_context=context, step_budget=sized,
                         step_limit_s=step_limit(a, slo, context) if sized == "sized" else None,
                         max_num_seqs=a.max_num_seqs, batching=a.batching, swap_gb=a.swap_gb,
-                        swap_dtype=a.swap_dtype, num_threads=a.threads, enforce_eager=a.enforce_eager,
+                        swap_dtype=a.swap_dtype, num_threads=a.threads, enforce_eager=a.enforce_eager, fused_step=a.fused_step,
                         enable_prefix_caching=a.enable_prefix_caching, cache_dir=a.cache_dir, seed=a.seed,
                         allow_profile_mismatch=a.allow_profile_mismatch)
 

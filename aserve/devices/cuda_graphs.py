@@ -30,6 +30,10 @@ prompt scoring (echo) or features, runs eagerly as before.
 
 ``replay=False`` runs the same padded static-buffer step eagerly, without capture: the CPU tests
 check with it the layout (padding, the scratch block, offsets) that the GPU replays.
+
+``fused=True`` (the default where it applies: ``model.fused_step.refusal``) captures buckets of up
+to ``fused_step.MAX_BATCH`` rows over the fused step instead of torch's: five Triton kernels a
+layer instead of about 27 (``model/fused_step.py``); larger batches capture torch's step.
 """
 from __future__ import annotations
 
@@ -39,7 +43,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from model import fused_step
 from model.attention import AttentionMeta
+from model.fused_step import FusedStep
 from model.kv_cache import KVCache
 
 CAPTURE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -56,13 +62,14 @@ class CaptureReport:
     block_size: int
     seconds: float
     memory_bytes: int  # device memory the graphs hold (free memory before less after)
+    fused: str = "off"  # the fused step: "batch 1-16" where it runs, else why not
 
     def describe(self) -> str:
         if not self.num_graphs:
             return "no CUDA graphs captured"
         return (f"{self.num_graphs} decode CUDA graphs (batch {self.batches[0]}-{self.batches[-1]}, context "
                 f"{self.widths[0] * self.block_size}-{self.widths[-1] * self.block_size} tokens) captured in "
-                f"{self.seconds:.1f} s, {self.memory_bytes / 2**20:.0f} MiB")
+                f"{self.seconds:.1f} s, {self.memory_bytes / 2**20:.0f} MiB; fused step: {self.fused}")
 
 
 def capture_batches(max_batch: int) -> tuple[int, ...]:
@@ -91,10 +98,15 @@ def can_occur(batch: int, width: int, num_blocks: int) -> bool:
 class DecodeGraphs:
     """Decode steps of one runner (its model and KV pool) as replayed graphs."""
 
-    def __init__(self, model: torch.nn.Module, kv: KVCache, max_batch: int, max_context: int, replay: bool = True):
+    def __init__(self, model: torch.nn.Module, kv: KVCache, max_batch: int, max_context: int, replay: bool = True,
+                 fused: bool = True):
         if kv.scratch_block is None:
             raise ValueError("CUDA graphs need a KV pool with a scratch block (KVCache(..., scratch=True))")
         self.model, self.kv, self.replay = model, kv, replay
+        self.fused: Optional[FusedStep] = None
+        self.fused_refusal = fused_step.refusal(model, kv.pool.dtype, kv.device) if fused else "off (--no-fused-step)"
+        if self.fused_refusal is None:
+            self.fused = FusedStep(model, kv.pool, kv.block_size, max_batch)
         self.block_size = kv.block_size
         self.device = kv.device
         self.batches = capture_batches(max_batch)
@@ -120,6 +132,8 @@ class DecodeGraphs:
         s = self.static
         ids, positions, slots, ctx_lens = s[:b], s[b:2 * b], s[2 * b:3 * b], s[3 * b:4 * b]
         tables = s[4 * b:4 * b + b * w].view(b, w)
+        if self.fused is not None and b <= self.fused.max_batch:
+            return self.fused(ids, positions, slots, ctx_lens, tables)
         meta = AttentionMeta(slots, (), 0, b, self.block_size, tables, ctx_lens)
         return self.model.logits(self.model(ids, positions, meta, self.kv.pool))
 
@@ -157,8 +171,9 @@ class DecodeGraphs:
         pool they share). Each is run once eagerly on a side stream first, so lazy set-up (cuBLAS
         handles and workspaces, kernel choices) happens outside the capture."""
         t0 = time.perf_counter()
+        fused = self.fused_refusal or f"batch 1-{self.fused.max_batch}, {self.fused.kernels_a_step()} kernels a step"
         if not self.replay:
-            self.report = CaptureReport(0, self.batches, self.widths, self.block_size, 0.0, 0)
+            self.report = CaptureReport(0, self.batches, self.widths, self.block_size, 0.0, 0, fused)
             return self.report
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
@@ -178,5 +193,5 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         self.report = CaptureReport(len(self.graphs), self.batches, self.widths, self.block_size,
-                                    time.perf_counter() - t0, max(0, used))
+                                    time.perf_counter() - t0, max(0, used), fused)
         return self.report

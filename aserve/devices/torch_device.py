@@ -74,7 +74,8 @@ def build_runner(bundle: ModelBundle, cfg: EngineConfig) -> tuple[ModelRunner, B
     kv = KVCache(bundle.args, num_blocks, cfg.block_size, bundle.dtype, cfg.device, scratch=graphs)
     runner = ModelRunner(bundle.model, kv, cfg.device, cfg.seed)
     if graphs:
-        runner.graphs = DecodeGraphs(bundle.model, kv, cfg.max_num_seqs, bundle.args.max_position)
+        runner.graphs = DecodeGraphs(bundle.model, kv, cfg.max_num_seqs, bundle.args.max_position,
+                                     fused=cfg.fused_step)
         runner.graphs.capture()
     return runner, BlockManager(num_blocks, cfg.block_size)
 
