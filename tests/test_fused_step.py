@@ -81,6 +81,27 @@ def test_a_wrong_step_is_caught():
         close(outs)
 
 
+def test_a_step_triton_cannot_build_falls_back_to_torchs_step(monkeypatch):
+    """A kernel that fails to build (an older card) turns the fused step off with the reason in
+    the start-up line; the graphs then take torch's step, which matches the plain runner."""
+    from model import fused_kernels
+
+    plain, graphed = fused_runners()
+
+    class Broken:
+        def __getitem__(self, grid):
+            raise RuntimeError("PassManager::run failed\n(the compiler's long log)")
+
+    monkeypatch.setattr(fused_kernels, "gate_up_kernel", Broken())
+    graphed.graphs.check_fused([(1, 4)])
+    assert graphed.graphs.fused is None
+    assert graphed.graphs.fused_refusal == ("off: Triton could not build it here "
+                                            "(RuntimeError: PassManager::run failed)")
+    outs, _ = run_both(plain, graphed, [12, 30])
+    for a, b in zip(outs["plain"], outs["graphed"]):
+        assert torch.equal(a, b)  # torch's step both sides
+
+
 def test_refusals_name_the_reason():
     from model import fused_step
     from tests.tiny import LLAMA, OPT, hf_model, ours

@@ -166,11 +166,29 @@ class DecodeGraphs:
         return logits[:len(ids)]
 
     @torch.inference_mode()
+    def check_fused(self, buckets: Optional[Sequence[tuple[int, int]]] = None) -> None:
+        """Run the fused step once eagerly on pad rows of each of its buckets (``buckets``: those
+        given), which builds every kernel it will replay. Where Triton cannot build or run one
+        here (a card or a Triton without what a kernel asks), the graphs capture torch's step
+        instead and ``fused_refusal`` (the start-up line) says why: a server starts either way."""
+        todo = [(b, w) for b, w in (buckets or self.buckets) if b <= self.fused.max_batch]
+        try:
+            for b, w in todo:
+                self._fill(b, w, [], [], [], [], [])
+                self._forward(b, w)
+        except Exception as e:  # a compiler's or driver's error, whatever its type
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            self.fused = None
+            self.fused_refusal = f"off: Triton could not build it here ({type(e).__name__}: {first})"
+
+    @torch.inference_mode()
     def capture(self) -> CaptureReport:
         """Capture every bucket, largest first (the smaller ones reuse its memory from the one
         pool they share). Each is run once eagerly on a side stream first, so lazy set-up (cuBLAS
         handles and workspaces, kernel choices) happens outside the capture."""
         t0 = time.perf_counter()
+        if self.replay and self.fused is not None:
+            self.check_fused()
         fused = self.fused_refusal or f"batch 1-{self.fused.max_batch}, {self.fused.kernels_a_step()} kernels a step"
         if not self.replay:
             self.report = CaptureReport(0, self.batches, self.widths, self.block_size, 0.0, 0, fused)
