@@ -176,14 +176,29 @@ def attention_kernel(q, k_cache, v_cache, tables, ctx_lens, part_o, part_m, part
 
 
 @triton.jit
-def _add_residual(res, acc, n, B, H: tl.constexpr, BB: tl.constexpr):
-    """res[:, n] = res[:, n] + acc, the product rounded first (torch's Linear, then its add)."""
-    rb = tl.arange(0, BB)
+def _add_residual(res, acc, n, row0, B, H: tl.constexpr, BB: tl.constexpr):
+    """res[rows, n] = res[rows, n] + acc for the BB rows from ``row0``, the product rounded first
+    (torch's Linear, then its add)."""
+    rb = row0 + tl.arange(0, BB)
     m2 = (rb < B)[:, None] & (n < H)[None, :]
     at = res + rb[:, None] * H + n[None, :]
     r = tl.load(at, mask=m2, other=0.0)
     out = acc.to(r.dtype).to(tl.float32)
     tl.store(at, (r.to(tl.float32) + out).to(r.dtype), mask=m2)
+
+
+@triton.jit
+def _combined(part_o, part_m, part_l, at, ms, live, D: tl.constexpr):
+    """The attention splits at ``at`` ([R, SP] entries of the partial buffers, ``ms`` their mask)
+    combined: [R, D] fp32, each row's output normalised (rows not ``live``: 0)."""
+    d = tl.arange(0, D)
+    mm = tl.load(part_m + at, mask=ms, other=-1e30)
+    ll = tl.load(part_l + at, mask=ms, other=0.0)
+    top = tl.max(mm, axis=1)
+    wt = tl.where(ms, tl.exp(mm - top[:, None]), 0.0)
+    total = tl.where(live, tl.sum(wt * ll, axis=1), 1.0)
+    po = tl.load(part_o + at[:, :, None] * D + d[None, None, :], mask=ms[:, :, None], other=0.0)
+    return tl.sum(wt[:, :, None] * po, axis=1) / total[:, None]
 
 
 @triton.jit
@@ -202,17 +217,10 @@ def oproj_kernel(part_o, part_m, part_l, w, res, B, S, NH: tl.constexpr, NHP: tl
         ms = bm[:, None] & (sp[None, :] < S)
         acc = tl.zeros([BB, BN], dtype=tl.float32)
         for h in tl.static_range(NH):
-            at = (rb[:, None] * NH + h) * SP + sp[None, :]
-            mm = tl.load(part_m + at, mask=ms, other=-1e30)
-            ll = tl.load(part_l + at, mask=ms, other=0.0)
-            top = tl.max(mm, axis=1)
-            wt = tl.where(ms, tl.exp(mm - top[:, None]), 0.0)
-            total = tl.where(bm, tl.sum(wt * ll, axis=1), 1.0)
-            po = tl.load(part_o + at[:, :, None] * D + d[None, None, :], mask=ms[:, :, None], other=0.0)
             wo = tl.load(w + n[None, :] * (NH * D) + h * D + d[:, None], mask=(n < H)[None, :], other=0.0)
-            o = (tl.sum(wt[:, :, None] * po, axis=1) / total[:, None]).to(wo.dtype)
-            acc += _mm(o, wo, BB)
-        _add_residual(res, acc, n, B, H, BB)
+            o = _combined(part_o, part_m, part_l, (rb[:, None] * NH + h) * SP + sp[None, :], ms, bm, D)
+            acc += _mm(o.to(wo.dtype), wo, BB)
+        _add_residual(res, acc, n, 0, B, H, BB)
     else:
         hh = tl.arange(0, NHP)
         hm = hh < NH
@@ -221,19 +229,10 @@ def oproj_kernel(part_o, part_m, part_l, w, res, B, S, NH: tl.constexpr, NHP: tl
                      mask=hm[:, None, None] & nm[None, None, :], other=0.0)  # [NHP, D, BN]
         for r in tl.static_range(BB):
             ms = hm[:, None] & (sp[None, :] < S) & (r < B)
-            at = (r * NH + hh[:, None]) * SP + sp[None, :]
-            mm = tl.load(part_m + at, mask=ms, other=-1e30)
-            ll = tl.load(part_l + at, mask=ms, other=0.0)
-            top = tl.max(mm, axis=1)
-            wt = tl.where(ms, tl.exp(mm - top[:, None]), 0.0)
-            total = tl.where(hm, tl.sum(wt * ll, axis=1), 1.0)
-            po = tl.load(part_o + at[:, :, None] * D + d[None, None, :], mask=ms[:, :, None], other=0.0)
-            o = (tl.sum(wt[:, :, None] * po, axis=1) / total[:, None]).to(wo.dtype)  # [NHP, D]
+            o = _combined(part_o, part_m, part_l, (r * NH + hh[:, None]) * SP + sp[None, :], ms, hm, D)
+            o = o.to(wo.dtype)  # [NHP, D], rounded as attention's output
             out = tl.sum(tl.sum(o.to(tl.float32)[:, :, None] * wo.to(tl.float32), axis=0), axis=0)  # [BN]
-            rm = nm & (r < B)
-            r_at = res + r * H + n
-            x = tl.load(r_at, mask=rm, other=0.0)
-            tl.store(r_at, (x.to(tl.float32) + out.to(x.dtype).to(tl.float32)).to(x.dtype), mask=rm)
+            _add_residual(res, out[None, :], n, r, B, H, 1)
 
 
 @triton.jit
@@ -265,7 +264,7 @@ def down_kernel(x, w, res, B, K: tl.constexpr, H: tl.constexpr, BB: tl.constexpr
         km = kk < K
         xt = tl.load(x + rb[:, None] * K + kk[None, :], mask=bm[:, None] & km[None, :], other=0.0)
         acc += _mm(xt, _rows(w, n, n < H, kk, K), BB)
-    _add_residual(res, acc, n, B, H, BB)
+    _add_residual(res, acc, n, 0, B, H, BB)
 
 
 @triton.jit
