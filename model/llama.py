@@ -133,7 +133,6 @@ class LlamaForCausalLM(nn.Module):
                 b.attn_norm.weight, b.attn.qkv_proj.weight, b.attn.o_proj.weight, b.mlp_norm.weight,
                 b.mlp.gate_up_proj.weight, b.mlp.down_proj.weight)]
             self._step_key, self._step_packed = None, None
-            self._layer_shapes = tuple(tuple(w.shape) for w in self._step_params[:6] if w.dim() == 2)
         key = [(p._version, p.data_ptr()) for p in self._step_params]
         if key != self._step_key:
             self._step_packed, self._step_key = native.step_weights(self._step_params), key

@@ -177,7 +177,8 @@ class DecodeGraphs:
                 self._fill(b, w, [], [], [], [], [])
                 self._forward(b, w)
         except Exception as e:  # a compiler's or driver's error, whatever its type
-            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            lines = str(e).strip().splitlines()
+            first = lines[0][:200] if lines else ""
             self.fused = None
             self.fused_refusal = f"off: Triton could not build it here ({type(e).__name__}: {first})"
 
