@@ -110,7 +110,7 @@ def test_linear_packed_matches_float_reference(path, rows, n, k, bias):
 
 @needs_bf16
 @pytest.mark.parametrize("threads", [1, 2])  # two: groups split between threads by k, summed in parts
-@pytest.mark.parametrize("rows", [1, 6, 13, 64, 100])  # 100: widened once a group (kWidenOnceRows)
+@pytest.mark.parametrize("rows", [1, 6, 13, 64, 100])  # 13: in k-chunks; 64, 100: widened once a chunk (kWidenOnceRows)
 @pytest.mark.parametrize("n,k,bias", [(13, 64, False), (576, 1536, True), (1000, 1536, True), (70, 2, False)])
 def test_fp32_products_match_the_bf16_ones(threads, rows, n, k, bias):
     """The fp32-packed kind (``pack_f32``, FMAs) gives the float reference as the bf16 dot products

@@ -51,11 +51,11 @@ constexpr int kMaxRows = 6;                // x rows a block: 6 x 4 sums + 4 wei
 // took the default model's 120 layer weights from 9.2 to 8.3 ms at 1 row (8 KiB and L3 the same;
 // into L1, at 1-4 KiB, slower); at 32 rows, where the product is compute-bound, it changes nothing.
 constexpr int64_t kPrefetchBytes = 4096;
-// From how many x rows a widened product widens each group once into an fp32 copy (widen_group)
+// From how many x rows a widened product widens each k-chunk once into an fp32 copy (widen_group)
 // instead of in registers at every block of rows. The default model's 121 products at one thread
-// (Xeon, 2026-11-29), in registers / once: 16 rows 41 / 53 ms, 32 rows 73 / 85, 64 rows 134 / 133,
-// 128 rows 257 / 243, 256 rows 494 / 451 (as fast as weights packed in fp32 ahead, at half the bytes)
-constexpr int64_t kWidenOnceRows = 96;
+// (Xeon, 2026-11-30), chunks of 64 k-pairs, in registers / once, ms: 24 rows 51 / 57, 32 rows 69 /
+// 69, 48 rows 99 / 94, 64 rows 134 / 123, 96 rows 199 / 181.
+constexpr int64_t kWidenOnceRows = 32;
 
 // packed row r of group g holds source row src_row(g, r), or -1 (zero padding)
 int64_t src_row(int64_t order, int64_t N, int64_t g, int64_t r) {
@@ -109,18 +109,22 @@ inline __m512 round_bf16(__m512 v) {  // what storing as bf16 and reading back g
 // FMAs give nearly twice the sums a cycle once the rows are enough to make the product
 // compute-bound. A step's weights are 256 bytes in every kind.
 // Always inlined: out of line, its sums went through memory and the products ran 3-4x slower.
+//
+// Prefetch: a step asks for the bytes [pf + k * pf_step, + pf_step) into L2 (pf_step of 256: four
+// lines, the step's own weights kPrefetchBytes ahead). init: the sums to go on from ([MB, 64] rows
+// kGroup apart, a k-chunk's earlier sums), or null to start at zero.
 template <int KIND, int MB>
 __attribute__((always_inline)) inline void block_sums(const void* xv, int64_t ldx, const void* wv, int64_t KS,
-                                                      Sums<MB>& acc) {
+                                                      Sums<MB>& acc, const char* pf, int64_t pf_step,
+                                                      const float* init) {
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 4
-    for (int t = 0; t < kTiles; ++t) acc[m][t] = _mm512_setzero_ps();
+    for (int t = 0; t < kTiles; ++t)
+      acc[m][t] = init ? _mm512_loadu_ps(init + m * kGroup + t * kTile) : _mm512_setzero_ps();
   for (int64_t k = 0; k < KS; ++k) {
     const char* wk = static_cast<const char*>(wv) + k * 256;
-    const char* ahead = wk + kPrefetchBytes;  // one step: four lines
-    _mm_prefetch(ahead, _MM_HINT_T1), _mm_prefetch(ahead + 64, _MM_HINT_T1);
-    _mm_prefetch(ahead + 128, _MM_HINT_T1), _mm_prefetch(ahead + 192, _MM_HINT_T1);
+    for (int64_t o = 0; o < pf_step; o += 64) _mm_prefetch(pf + k * pf_step + o, _MM_HINT_T1);
     const __m512i w0 = _mm512_load_si512(wk), w1 = _mm512_load_si512(wk + 64), w2 = _mm512_load_si512(wk + 128),
                   w3 = _mm512_load_si512(wk + 192);
     if constexpr (KIND == kWiden) {
@@ -205,19 +209,30 @@ __attribute__((always_inline)) inline void finish(const Job& j, int64_t m0, int6
 
 // Rows m0 .. m0 + MB of group g over the k-pairs [k0, k1): finished (the epilogue) when the range
 // is the whole group, else its sums stored in part [M, 64] for the caller to add up.
+// Where a block's sums start and what its steps prefetch (block_sums' init, pf and pf_step).
+struct Flow {
+  const float* init = nullptr;
+  const char* pf = nullptr;  // null: the block's own weights, kPrefetchBytes ahead
+  int64_t pf_step = 256;
+};
+
 template <int MB>
-void run_block(const Job& j, int64_t m0, int64_t g, int64_t k0, int64_t k1, float* part, const float* wide) {
+void run_block(const Job& j, int64_t m0, int64_t g, int64_t k0, int64_t k1, float* part, const float* wide,
+               const Flow& flow = Flow{}) {
   const int64_t KS = j.steps();
   Sums<MB> acc;
   const char* w = reinterpret_cast<const char*>(j.w) + (g * KS + k0) * 256;  // 256 bytes a k step
+  const char* pf = flow.pf ? flow.pf : (wide ? reinterpret_cast<const char*>(wide) : w) + kPrefetchBytes;
+  const float* init = flow.init ? flow.init + m0 * kGroup : nullptr;
   if (wide)  // the group's k-pairs widened once (widen_group): the fp32 kind's FMAs over them
-    block_sums<kF32, MB>(j.xf + m0 * j.K + 2 * k0, j.K, wide, 2 * (k1 - k0), acc);
+    block_sums<kF32, MB>(j.xf + m0 * j.K + 2 * k0, j.K, wide, 2 * (k1 - k0), acc, pf, flow.pf_step, init);
   else if (j.widen)
-    block_sums<kWiden, MB>(j.xf + m0 * j.K + 2 * k0, j.K, w, k1 - k0, acc);
+    block_sums<kWiden, MB>(j.xf + m0 * j.K + 2 * k0, j.K, w, k1 - k0, acc, pf, flow.pf_step, init);
   else if (j.xf)
-    block_sums<kF32, MB>(j.xf + m0 * KS + k0, KS, w, k1 - k0, acc);
+    block_sums<kF32, MB>(j.xf + m0 * KS + k0, KS, w, k1 - k0, acc, pf, flow.pf_step, init);
   else
-    block_sums<kDot, MB>(reinterpret_cast<const uint32_t*>(j.x) + m0 * KS + k0, KS, w, k1 - k0, acc);
+    block_sums<kDot, MB>(reinterpret_cast<const uint32_t*>(j.x) + m0 * KS + k0, KS, w, k1 - k0, acc, pf,
+                         flow.pf_step, init);
   if (part == nullptr) return finish<MB>(j, m0, g, acc);
   for (int m = 0; m < MB; ++m)
     for (int t = 0; t < kTiles; ++t) _mm512_storeu_ps(part + (m0 + m) * kGroup + t * kTile, acc[m][t]);
@@ -234,30 +249,6 @@ void widen_group(const Job& j, int64_t g, int64_t k0, int64_t k1, float* buf) {
     }
 }
 
-void run_group(const Job& j, int64_t g, int64_t k0, int64_t k1, float* part) {
-  // widened products of many rows widen the group once into an L2-resident fp32 copy and run the
-  // fp32 kind over it: the register widening of each block (8 uops a k-pair beside up to 48 FMAs)
-  // is paid once instead of once a block
-  const float* wide = nullptr;
-  if (j.widen && j.M >= kWidenOnceRows) {
-    thread_local std::vector<float> buf;
-    buf.resize(static_cast<size_t>(2 * (k1 - k0) * kGroup + kTile));  // + room to align to 64 bytes
-    float* at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
-    widen_group(j, g, k0, k1, at);
-    wide = at;
-  }
-  int64_t m = 0;
-  for (; m + kMaxRows <= j.M; m += kMaxRows) run_block<kMaxRows>(j, m, g, k0, k1, part, wide);
-  switch (j.M - m) {
-    case 1: run_block<1>(j, m, g, k0, k1, part, wide); break;
-    case 2: run_block<2>(j, m, g, k0, k1, part, wide); break;
-    case 3: run_block<3>(j, m, g, k0, k1, part, wide); break;
-    case 4: run_block<4>(j, m, g, k0, k1, part, wide); break;
-    case 5: run_block<5>(j, m, g, k0, k1, part, wide); break;
-    default: break;
-  }
-}
-
 // The epilogue of a group whose sums were made in parts (summed into part [M, 64]).
 void finish_parts(const Job& j, int64_t g, const float* part) {
   for (int64_t m = 0; m < j.M; ++m) {
@@ -265,6 +256,71 @@ void finish_parts(const Job& j, int64_t g, const float* part) {
     for (int t = 0; t < kTiles; ++t) acc[0][t] = _mm512_loadu_ps(part + m * kGroup + t * kTile);
     finish<1>(j, m, g, acc);
   }
+}
+
+// Rows 0 .. M of group g over the k steps [k0, k1), a block of up to kMaxRows rows at a time. A
+// flow with its own prefetch bytes spreads them over the blocks: each block asks for the next
+// (k1 - k0) * pf_step of them.
+void run_rows(const Job& j, int64_t g, int64_t k0, int64_t k1, float* part, const float* wide, Flow flow) {
+  const bool spread = flow.pf != nullptr;
+  int64_t m = 0;
+  for (; m + kMaxRows <= j.M; m += kMaxRows) {
+    run_block<kMaxRows>(j, m, g, k0, k1, part, wide, flow);
+    if (spread) flow.pf += (k1 - k0) * flow.pf_step;
+  }
+  switch (j.M - m) {
+    case 1: run_block<1>(j, m, g, k0, k1, part, wide, flow); break;
+    case 2: run_block<2>(j, m, g, k0, k1, part, wide, flow); break;
+    case 3: run_block<3>(j, m, g, k0, k1, part, wide, flow); break;
+    case 4: run_block<4>(j, m, g, k0, k1, part, wide, flow); break;
+    case 5: run_block<5>(j, m, g, k0, k1, part, wide, flow); break;
+    default: break;
+  }
+}
+
+// More rows than a block holds read a group's weights once a block. Run whole, the first block
+// streamed them from memory at one core's bandwidth while the others found them in L2: the stream
+// and the FMAs took turns. In k-chunks of kChunkSteps (16 KB of weights), every block runs over a
+// chunk before the next chunk starts, the sums kept in part (or a buffer) between chunks, and the
+// next chunk's weights are asked into L2 over all the blocks' steps, so the memory stream runs
+// under the whole product's FMAs. Widened products of kWidenOnceRows rows or more widen each chunk
+// once into an L1 copy and run the fp32 kind over it (the register widening, 8 uops a k-pair
+// beside up to 48 FMAs, paid once a chunk instead of once a block). Each output's sum still runs
+// over k in order, so the sums are the same bit for bit.
+//
+// The default model's 121 widened products at one thread (Xeon, 2026-11-30), whole groups (the
+// chunk-free kernel, widened into L2 from 96 rows) / in chunks, ms: 8 rows 29 / 27, 16 rows 44 / 40,
+// 24 rows 61 / 51, 32 rows 75 / 69, 64 rows 138 / 123, 128 rows 250 / 240, 256 rows 457 / 464.
+constexpr int64_t kChunkSteps = 64;
+
+void run_group(const Job& j, int64_t g, int64_t k0, int64_t k1, float* part) {
+  if (j.M <= kMaxRows) return run_rows(j, g, k0, k1, part, nullptr, Flow{});
+  thread_local std::vector<float> own, copy;
+  float* sums = part;
+  if (sums == nullptr) {
+    own.resize(static_cast<size_t>(j.M * kGroup));
+    sums = own.data();
+  }
+  float* wide = nullptr;  // the chunk widened once, 64-byte aligned
+  if (j.widen && j.M >= kWidenOnceRows) {
+    copy.resize(static_cast<size_t>(2 * kChunkSteps * kGroup + kTile));
+    wide = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(copy.data()) + 63) & ~uintptr_t{63});
+  }
+  const int64_t blocks = (j.M + kMaxRows - 1) / kMaxRows;
+  const char* w = reinterpret_cast<const char*>(j.w) + g * j.steps() * 256;
+  for (int64_t kc = k0; kc < k1; kc += kChunkSteps) {
+    const int64_t kn = std::min(k1, kc + kChunkSteps);
+    Flow flow;
+    flow.init = kc > k0 ? sums : nullptr;
+    flow.pf = w + kn * 256;  // the next chunk (after the group's last: the next group's first)
+    flow.pf_step = (kChunkSteps * 256 / (blocks * (kn - kc)) + 63) / 64 * 64;
+    if (wide) {
+      widen_group(j, g, kc, kn, wide);
+      flow.pf_step /= 2;  // the copy's steps are single ks, two a k-pair
+    }
+    run_rows(j, g, kc, kn, sums, wide, flow);
+  }
+  if (part == nullptr) finish_parts(j, g, sums);
 }
 
 // Groups split evenly over the threads when they divide evenly; otherwise the (group, k-pair)
