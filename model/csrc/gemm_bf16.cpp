@@ -124,7 +124,13 @@ __attribute__((always_inline)) inline void block_sums(const void* xv, int64_t ld
       acc[m][t] = init ? _mm512_loadu_ps(init + m * kGroup + t * kTile) : _mm512_setzero_ps();
   for (int64_t k = 0; k < KS; ++k) {
     const char* wk = static_cast<const char*>(wv) + k * 256;
-    for (int64_t o = 0; o < pf_step; o += 64) _mm_prefetch(pf + k * pf_step + o, _MM_HINT_T1);
+    if (pf_step == 256) {  // a block's own stream, four lines a step: unrolled (looped, a 2-row step took 2-3% longer)
+      const char* ahead = pf + k * 256;
+      _mm_prefetch(ahead, _MM_HINT_T1), _mm_prefetch(ahead + 64, _MM_HINT_T1);
+      _mm_prefetch(ahead + 128, _MM_HINT_T1), _mm_prefetch(ahead + 192, _MM_HINT_T1);
+    } else {
+      for (int64_t o = 0; o < pf_step; o += 64) _mm_prefetch(pf + k * pf_step + o, _MM_HINT_T1);
+    }
     const __m512i w0 = _mm512_load_si512(wk), w1 = _mm512_load_si512(wk + 64), w2 = _mm512_load_si512(wk + 128),
                   w3 = _mm512_load_si512(wk + 192);
     if constexpr (KIND == kWiden) {
