@@ -13,10 +13,11 @@
 //   group 1 | ...
 //
 // One zmm load is 16 rows x one k-pair; a 32-bit broadcast of x's (k, k+1) pair against it
-// adds 16 outputs' worth of products. A group is read front to back exactly once per block of
-// up to six x rows, so at decode sizes the weights stream sequentially from memory (asked into
-// L2 a little ahead, see kPrefetchBytes), and at prefill sizes the group (74-196 KB) is re-read
-// from L2 by each block of rows.
+// adds 16 outputs' worth of products. A group is read front to back once per block of up to six
+// x rows: at one block the weights stream sequentially from memory (asked into L2 a little ahead,
+// see kPrefetchBytes); with more rows the group goes in k-chunks of 16 KB, every block over a
+// chunk while the next one is asked into L2 (run_group), so the stream runs under all the blocks'
+// FMAs and each block re-reads the chunk from cache.
 //
 // Measured on the 2-core AMD EPYC (Zen 4) against the old row-major kernel and torch's matmul,
 // the default model's 120 layer weights: 1 row 5.6 ms (38 GB/s; row-major 12.9, torch 29),
@@ -102,7 +103,7 @@ inline __m512 round_bf16(__m512 v) {  // what storing as bf16 and reading back g
 
 
 // The fp32 sums of one block over KS k steps. kDot (pack_bf16): a step is a k-pair, four bf16 dot
-// products a row. kF32 (pack_f32, or a group widened once): a step is one k of fp32 x, four FMAs
+// products a row. kF32 (pack_f32, or a chunk widened once): a step is one k of fp32 x, four FMAs
 // a row. kWiden (pack_bf16): a step is a k-pair widened to fp32 in registers, eight FMAs a row in
 // kF32's order. Where bf16 dot products issue at half the rate of fp32 FMAs (a Xeon with
 // AVX512-BF16 and no AMX: 86 against 175 GFLOP/s a core, measured with independent chains), the
@@ -213,24 +214,25 @@ __attribute__((always_inline)) inline void finish(const Job& j, int64_t m0, int6
     }
 }
 
-// Rows m0 .. m0 + MB of group g over the k-pairs [k0, k1): finished (the epilogue) when the range
-// is the whole group, else its sums stored in part [M, 64] for the caller to add up.
 // Where a block's sums start and what its steps prefetch (block_sums' init, pf and pf_step).
 struct Flow {
-  const float* init = nullptr;
-  const char* pf = nullptr;  // null: the block's own weights, kPrefetchBytes ahead
+  const float* init = nullptr;  // rows kGroup apart from the block's first: an earlier k-chunk's sums
+  const char* pf = nullptr;     // null: the block's own weights, kPrefetchBytes ahead
   int64_t pf_step = 256;
 };
 
+// Rows m0 .. m0 + MB of group g over the k steps [k0, k1) (the steps of wide, a widened chunk,
+// where given): finished (the epilogue) when part is null, else the sums stored in part [M, 64]
+// (for the caller to add up, or to go on from at the next k-chunk).
 template <int MB>
 void run_block(const Job& j, int64_t m0, int64_t g, int64_t k0, int64_t k1, float* part, const float* wide,
                const Flow& flow = Flow{}) {
   const int64_t KS = j.steps();
   Sums<MB> acc;
   const char* w = reinterpret_cast<const char*>(j.w) + (g * KS + k0) * 256;  // 256 bytes a k step
-  const char* pf = flow.pf ? flow.pf : (wide ? reinterpret_cast<const char*>(wide) : w) + kPrefetchBytes;
+  const char* pf = flow.pf ? flow.pf : w + kPrefetchBytes;
   const float* init = flow.init ? flow.init + m0 * kGroup : nullptr;
-  if (wide)  // the group's k-pairs widened once (widen_group): the fp32 kind's FMAs over them
+  if (wide)  // the chunk's k-pairs widened once (widen_group): the fp32 kind's FMAs over them
     block_sums<kF32, MB>(j.xf + m0 * j.K + 2 * k0, j.K, wide, 2 * (k1 - k0), acc, pf, flow.pf_step, init);
   else if (j.widen)
     block_sums<kWiden, MB>(j.xf + m0 * j.K + 2 * k0, j.K, w, k1 - k0, acc, pf, flow.pf_step, init);
