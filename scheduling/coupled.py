@@ -31,7 +31,7 @@ from typing import Callable, ClassVar, Optional
 from scheduling.base import Scheduler
 from scheduling.block_manager import BlockManager, blocks_needed
 from scheduling.clock import Clock
-from scheduling.prefix import publish_prefix, share_prefix
+from scheduling.prefix import note_cached, publish_prefix, share_prefix, uncached_left
 from scheduling.request import Request, Status
 from scheduling.step import EMPTY_PLAN, StepEvents, StepOutput, StepPlan, seq_step
 
@@ -112,6 +112,7 @@ class CoupledScheduler(Scheduler):
             raise ValueError(f"request {req.request_id} needs more KV blocks than the instance has")
         self.requests[req.request_id] = req
         self._priority[req.request_id] = (req.arrival_time, next(self._arrivals))
+        note_cached(self.blocks, req)
         self.waiting.append(req)
 
     def finish(self, req: Request, reason: str) -> None:
@@ -144,8 +145,9 @@ class CoupledScheduler(Scheduler):
 
     @property
     def num_queued_tokens(self) -> int:
-        """Prompt tokens waiting, plus a little for each running request (it still decodes)."""
-        return sum(r.num_uncomputed_tokens for r in self.waiting) + 4 * len(self.running)
+        """Prompt tokens waiting (less a waiting prompt's cached prefix here), plus a little for each
+        running request (it still decodes)."""
+        return sum(uncached_left(r, r.num_uncomputed_tokens) for r in self.waiting) + 4 * len(self.running)
 
     def kv_outlook(self, expected_output_tokens: int, floor: Optional[int] = None) -> int:
         """Blocks free once every request here has grown to its prompt plus ``expected_output_tokens``

@@ -26,7 +26,7 @@ from typing import Collection, Mapping, Optional
 from scheduling.base import Scheduler
 from scheduling.block_manager import BlockManager, blocks_needed
 from scheduling.clock import Clock
-from scheduling.prefix import publish_prefix, share_prefix
+from scheduling.prefix import note_cached, publish_prefix, share_prefix, uncached_left
 from scheduling.request import Request, Status
 from scheduling.step import EMPTY_PLAN, StepEvents, StepOutput, StepPlan, seq_step
 
@@ -76,6 +76,7 @@ class PrefillScheduler(Scheduler):
             raise ValueError(f"prompt of {request.num_prompt_tokens} tokens exceeds the KV pool")
         request.status = Status.WAITING
         self._requests[request.request_id] = request
+        note_cached(self.blocks, request)
         self._raw.append(request)
 
     def _refill(self) -> bool:
@@ -100,8 +101,10 @@ class PrefillScheduler(Scheduler):
 
     @property
     def num_queued_tokens(self) -> int:
-        """Prompt tokens still to compute here: the load the global scheduler balances."""
-        return sum(r.num_prompt_tokens - r.num_computed_tokens for queue in (self._raw, self._scheduled) for r in queue)
+        """Prompt tokens still to compute here (less an unstarted prompt's cached prefix here): the
+        load the global scheduler balances."""
+        return sum(uncached_left(r, r.num_prompt_tokens - r.num_computed_tokens)
+                   for queue in (self._raw, self._scheduled) for r in queue)
 
     @property
     def num_requests(self) -> int:

@@ -98,6 +98,9 @@ class Request:
     # one salt (vLLM's ``cache_salt``: a tenant cannot probe another's cache); None is a salt too
     cache_salt: Optional[str] = None
     num_cached_tokens: Optional[int] = None  # prompt tokens its prefill found cached (None: not looked up)
+    # prompt tokens the instance it queued at held cached as it joined the queue (prefix.note_cached):
+    # until it starts, that queue's work counts only the rest (prefix.uncached_left)
+    cached_hint: int = 0
     block_hashes: list = field(default_factory=list, repr=False)  # prefix_keys' memo: [root, key0, key1 ...]
     # > 0: the length predictor reads the prompt's last-token hidden state after this many layers
     # from this request's own prefill (aserve/predict/online.py, "prefill features")

@@ -235,3 +235,26 @@ def test_adaptive_places_held_choices_beside_a_decode_instance_that_prefilled_th
             assert beside_decode, "no second choice ran where its first prefilled on the decode instance"
             await settled(cl, list(cl.instances))
     virtual(main)
+
+
+def test_a_burst_of_prompts_cached_on_one_instance_is_placed_there(bundle):
+    """Prompts seen before (a benchmark's second run of its prompts) are cached on the instance
+    that computed them; arriving together, every one goes there. Before, each waiting prompt
+    counted whole in that instance's queue, so every other one went to the other instance and was
+    computed again."""
+    cfg = ClusterConfig(mode="coupled", num_coupled=2, chunk_size=256, predictor="none")
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    ids = [[7 + i] + list(range(100, 400)) for i in range(4)]  # 301 tokens, distinct from the first
+
+    async def main(clock):
+        async with Cluster(ENGINE, cfg, bundle=bundle, clock=clock) as cl:
+            for p in ids:  # one at a time: each finds both instances idle and goes to the first
+                await cl.generate(p, sp)
+            burst = [cl.submit(p, sp, request_id=f"again{i}") for i, p in enumerate(ids)]
+            assert [h.instance_id for h in burst] == ["c0"] * 4
+            for h in burst:
+                async for _ in cl.stream(h):
+                    pass
+            assert all(h.request.num_cached_tokens >= 288 for h in burst)  # 18 of 19 blocks of 16 hit
+            await settled(cl, list(cl.instances))
+    virtual(main)

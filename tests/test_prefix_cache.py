@@ -27,7 +27,8 @@ from scheduling.decode import DecodeConfig, DecodeScheduler
 from scheduling.hybrid import HybridConfig, HybridScheduler
 from scheduling.prefill import PrefillConfig, PrefillScheduler
 from scheduling.placement import EntryLoad, Placement, PlacementConfig, entry_key, entry_work
-from scheduling.prefix import cached_prefix_tokens, prefix_keys, publish_prefix, share_prefix, shareable_blocks
+from scheduling.prefix import (cached_prefix_tokens, prefix_keys, publish_prefix, share_prefix, shareable_blocks,
+                              uncached_left)
 from scheduling.request import Request, SamplingParams
 from scheduling.step import StepOutput
 
@@ -449,3 +450,30 @@ def test_placement_weighs_a_cached_prefix_against_load():
     assert place.choose([cold, replace(warm, cached_tokens=0)], 1000).instance_id == "p0"
     busy = replace(warm, queued_tokens=5000)
     assert place.choose([cold, busy], 1000).instance_id == "p0"  # a long queue outweighs the hit
+
+
+@pytest.mark.parametrize("role", ["coupled", "prefill"])
+def test_a_queue_counts_only_the_uncached_part_of_its_waiting_prompts(role):
+    """An instance's queued work (what entry placement balances) counts a waiting prompt less the
+    prefix cached there when it joined; once it starts, its own progress counts. Counted whole, a
+    burst of prompts all cached on one instance looked like that many prompts to compute there,
+    and placement sent every other one to an instance without the cache."""
+    def scheduler():
+        bm = BlockManager(64, BS, enable_caching=True)
+        return VllmScheduler(bm) if role == "coupled" else PrefillScheduler(bm, PrefillConfig())
+
+    warm, cold = scheduler(), scheduler()
+    seen = req("seen", range(100, 141))  # 41 tokens: 40 in full blocks
+    compute(warm.blocks, seen)
+    warm.blocks.free(seen.block_ids)
+    again = [req(f"r{i}", range(100, 141)) for i in range(4)]
+    for r in again:
+        warm.add_request(r)
+        assert r.cached_hint == 40 and uncached_left(r, 41) == 1
+    assert warm.num_queued_tokens == 4  # nothing runs yet; each leaves its last token to compute
+    fresh = req("fresh", range(100, 141))
+    cold.add_request(fresh)
+    assert fresh.cached_hint == 0 and cold.num_queued_tokens == 41  # no cache there: the whole prompt
+    # started: its own progress counts, not the hint
+    again[0].num_computed_tokens = 20
+    assert uncached_left(again[0], 21) == 21
