@@ -226,7 +226,7 @@ struct Flow {
 // (for the caller to add up, or to go on from at the next k-chunk).
 template <int MB>
 void run_block(const Job& j, int64_t m0, int64_t g, int64_t k0, int64_t k1, float* part, const float* wide,
-               const Flow& flow = Flow{}) {
+               const Flow& flow) {
   const int64_t KS = j.steps();
   Sums<MB> acc;
   const char* w = reinterpret_cast<const char*>(j.w) + (g * KS + k0) * 256;  // 256 bytes a k step
@@ -296,9 +296,10 @@ void run_rows(const Job& j, int64_t g, int64_t k0, int64_t k1, float* part, cons
 // beside up to 48 FMAs, paid once a chunk instead of once a block). Each output's sum still runs
 // over k in order, so the sums are the same bit for bit.
 //
-// The default model's 121 widened products at one thread (Xeon, 2026-11-30), whole groups (the
-// chunk-free kernel, widened into L2 from 96 rows) / in chunks, ms: 8 rows 29 / 27, 16 rows 44 / 40,
-// 24 rows 61 / 51, 32 rows 75 / 69, 64 rows 138 / 123, 128 rows 250 / 240, 256 rows 457 / 464.
+// The default model's 121 widened products at one thread (Xeon, 2026-11-30, medians of three
+// interleaved rounds), whole groups (the chunk-free kernel, widened into L2 from 96 rows) / in
+// chunks, ms: 8 rows 29 / 28, 16 rows 45 / 41, 24 rows 59 / 52, 32 rows 76 / 71, 64 rows 138 / 123,
+// 128 rows 250 / 238, 256 rows 460 / 464 (docs/notes/peer.md, "Products in k-chunks").
 constexpr int64_t kChunkSteps = 64;
 
 void run_group(const Job& j, int64_t g, int64_t k0, int64_t k1, float* part) {
