@@ -125,3 +125,43 @@ def test_seeded_steps_follow_the_distribution_and_seeds_differ():
     assert sample(LOGITS.repeat(NUM_DRAWS, 1), steps) == tokens
     other = sample(LOGITS.repeat(50, 1), [SampleSpec(temperature=1.0, top_p=0.9, seed=8, step=i) for i in range(50)])
     assert other != tokens[:50]
+
+
+@pytest.mark.parametrize("scale,top_p,past_the_first_head", [(0.5, 0.9, True), (3.0, 0.95, True), (8.0, 0.5, False),
+                                                            (0.01, 0.99, True)])
+def test_the_nucleus_of_a_wide_vocabulary_is_the_full_sorts(scale, top_p, past_the_first_head):
+    """Over 5,000 tokens the sampler sorts only the head it needs (64, then 4x more while the head
+    holds less than top_p); the nucleus it keeps is the one a sort of the whole row gives, from a
+    peaked row (a few tokens) to a flat one (thousands)."""
+    from model.sampler import _nucleus
+    gen = torch.Generator().manual_seed(5)
+    probs = (torch.randn(5000, generator=gen) * scale).softmax(-1)
+    top, order = _nucleus(probs, top_p)
+    ranked, ids = probs.sort(descending=True)
+    before = ranked.cumsum(-1) - ranked
+    size = max(1, int((before < top_p).sum()))
+    assert set(order.tolist()) == set(ids[:size].tolist())
+    assert torch.equal(top, probs[order])
+    assert (len(order) > 64) == past_the_first_head  # both ways through the head's growth are tried
+
+
+def test_a_draw_never_takes_a_token_of_probability_zero():
+    """The inverse-CDF draw scales its uniform to the row's own total: tokens of probability 0,
+    between others or at the end of the vocabulary, are never drawn."""
+    from model.sampler import _draw
+    probs = torch.tensor([0.0, 0.3, 0.0, 0.0, 0.7, 0.0, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    drawn = {_draw(probs, gen) for _ in range(2000)}
+    assert drawn == {1, 4}
+
+
+def test_a_seeded_row_draws_what_multinomial_drew():
+    """Seeded rows keep torch.multinomial's exponential race, so a seed gives the tokens it gave
+    before unseeded rows moved to the faster running-sum draw."""
+    from model.sampler import _mix
+    row = torch.randn(49152, generator=torch.Generator().manual_seed(3)) * 3
+    for step in range(20):
+        spec = SampleSpec(temperature=0.8, seed=99, step=step)
+        probs = (row / 0.8).softmax(-1)
+        expected = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(_mix(99, step))).item())
+        assert sample(row[None], [spec]) == [expected]
