@@ -145,3 +145,18 @@ def test_prefix_cache_counts_hits_and_a_cache_salt_keeps_tenants_apart(server, c
     text = server.request("GET", "/metrics")[2].decode()
     for name in ("vllm:prefix_cache_queries_total{", "vllm:prefix_cache_hits_total{", "aserve:cached_blocks{"):
         assert name in text, name
+
+
+def test_a_streamed_line_break_character_stays_inside_its_event(server):
+    """JSON leaves NEL, U+2028 and U+2029 raw, and line readers built on str.splitlines (httpx's
+    aiter_lines, which guidellm reads streams with) end a line at each: one sampled token holding
+    one broke guidellm's JSON mid-event. A streamed echo of a prompt holding all three, split as
+    those readers split it: every data line is whole JSON, and the text comes back unchanged."""
+    prompt = "Line\u2028one\x85two\u2029three"
+    body = {"model": "default", "prompt": prompt, "echo": True, "max_tokens": 2, "temperature": 0, "stream": True}
+    status, _, raw = server.request("POST", "/v1/completions", body)
+    assert status == 200
+    lines = [line for line in raw.decode().splitlines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]).startswith(prompt)

@@ -101,8 +101,16 @@ class _Chunks:
         return sse({**self.head, "choices": [], "usage": total_usage(choices, self.req.n)})
 
 
+# Characters JSON leaves raw that line readers built on str.splitlines (httpx's aiter_lines, so
+# guidellm's client) take for line ends: a sampled token holding one cut its event in two
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    """One server-sent event: ``data: <json>`` on one line. Only CR and LF end a line in the
+    SSE grammar, but clients that split with str.splitlines also end one at NEL, U+2028 and
+    U+2029, which JSON may leave raw in a string: they go escaped (the same JSON)."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS).encode() + b"\n\n"
 
 
 def _has_tokens(logprobs: Optional[dict]) -> bool:
