@@ -13,7 +13,8 @@
 //   scores of 8 query heads at once           s_u = sum_j vdpbf16ps(kp[j], broadcast q_u pair j)
 //                                             (8 independent chains: 16 keys' exact products a lane)
 //   online softmax                            running max / sum per query head, output rescaled
-//   values                                    acc_u[D] += p_u[key] * vf[key]   (fp32)
+//   values                                    acc_u[D] += p_u[key] * vf[key]   (fp32, four query
+//                                             heads at a time: one V load, 16 FMA chains)
 //
 // Measured on the 2-core AMD EPYC against torch's SDPA (its CPU flash kernel) on the same chunks:
 // see docs/BENCHMARKS.md ("Engine").
@@ -91,6 +92,24 @@ void scores8(const Scratch& sc, const uint32_t* const* qrows, int nu, __m512* ou
   for (int u = 0; u < nu; ++u) out[u] = acc[u];
 }
 
+// acc[qh .. qh + NV) += p . V over the tile's kc keys
+template <int D, int NV>
+inline void values(Scratch& sc, int64_t qh, int kc) {
+  __m512 a[NV][D / 16];
+  for (int u = 0; u < NV; ++u)
+    for (int j = 0; j < D / 16; ++j) a[u][j] = _mm512_loadu_ps(sc.acc.data() + (qh + u) * D + 16 * j);
+  for (int t = 0; t < kc; ++t) {
+    __m512 pt[NV];
+    for (int u = 0; u < NV; ++u) pt[u] = _mm512_set1_ps(sc.p[(qh + u) * 16 + t]);
+    for (int j = 0; j < D / 16; ++j) {
+      const __m512 v = _mm512_loadu_ps(sc.vf.data() + t * D + 16 * j);
+      for (int u = 0; u < NV; ++u) a[u][j] = _mm512_fmadd_ps(pt[u], v, a[u][j]);
+    }
+  }
+  for (int u = 0; u < NV; ++u)
+    for (int j = 0; j < D / 16; ++j) _mm512_storeu_ps(sc.acc.data() + (qh + u) * D + 16 * j, a[u][j]);
+}
+
 template <int D>
 void prefill_item(const Shape& s, int64_t seq, int64_t qb, int64_t h, Scratch& sc) {
   const int64_t start = s.seqs[3 * seq], end = s.seqs[3 * seq + 1], ctx = s.seqs[3 * seq + 2];
@@ -138,17 +157,13 @@ void prefill_item(const Shape& s, int64_t seq, int64_t qb, int64_t h, Scratch& s
         _mm512_storeu_ps(pq, e);
       }
     }
-    for (int64_t qh = 0; qh < QH; ++qh) {  // values: acc += p . V over the tile's keys
-      __m512 a[D / 16];
-      float* ap = sc.acc.data() + qh * D;
-      for (int j = 0; j < D / 16; ++j) a[j] = _mm512_loadu_ps(ap + 16 * j);
-      const float* pq = sc.p.data() + qh * 16;
-      for (int t = 0; t < kc; ++t) {
-        const __m512 pt = _mm512_set1_ps(pq[t]);
-        for (int j = 0; j < D / 16; ++j) a[j] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(sc.vf.data() + t * D + 16 * j), a[j]);
-      }
-      for (int j = 0; j < D / 16; ++j) _mm512_storeu_ps(ap + 16 * j, a[j]);
-    }
+    // values: acc += p . V over the tile's keys, kNV query heads at a time so each V load feeds
+    // kNV sums and 4 x kNV chains of FMAs run at once (one head alone ran 4 chains into the
+    // FMA's latency); each head's sum still runs over the keys in order: the same bits
+    constexpr int kNV = D >= 128 ? 2 : 4;
+    int64_t qh = 0;
+    for (; qh + kNV <= QH; qh += kNV) values<D, kNV>(sc, qh, kc);
+    for (; qh < QH; ++qh) values<D, 1>(sc, qh, kc);
   }
   for (int64_t qh = 0; qh < QH; ++qh) {
     bf16* dst = s.out + ((r0 + qh / G) * s.H + h * G + qh % G) * D;
