@@ -47,14 +47,13 @@ def _sample_row(row: torch.Tensor, spec: SampleSpec, generator: torch.Generator 
         kth = torch.topk(row, spec.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
     probs = row.softmax(-1)
-    if spec.seed is not None:
-        if spec.top_p < 1.0:
-            top, order = _nucleus(probs, spec.top_p)
-            probs = torch.zeros_like(probs).scatter_(0, order, top)
-        return _race(probs, torch.Generator(device=row.device).manual_seed(_mix(spec.seed, spec.step)))
     if spec.top_p < 1.0:
         top, order = _nucleus(probs, spec.top_p)
-        return int(order[_draw(top, generator)].item())
+        if spec.seed is None:
+            return int(order[_draw(top, generator)].item())
+        probs = torch.zeros_like(probs).scatter_(0, order, top)  # the race runs over every token id
+    if spec.seed is not None:
+        return _race(probs, torch.Generator(device=row.device).manual_seed(_mix(spec.seed, spec.step)))
     return _draw(probs, generator)
 
 
