@@ -257,15 +257,15 @@ def _peer_reading(runs: dict, col: dict, ours: str, peer: str, workload: str) ->
             a, b = v[col[c]], runs[peer][streams][col[c]]
             (leads if (a - b) * sign > 0 else loses).append((streams, c, a, b))
     ratios = [runs[ours][s][col["output_tokens_per_s"]] / runs[peer][s][col["output_tokens_per_s"]] for s in runs[ours]]
-    ok = sum(v[col["ok"]] for r in runs.values() for v in r.values())
-    errored = sum(v[col["errored"]] for r in runs.values() for v in r.values())
+    requests = "; ".join(f"`{name}` {sum(v[col['ok']] for v in r.values())} ok, "
+                         f"{sum(v[col['errored']] for v in r.values())} errored" for name, r in runs.items())
     return (f"{workload}: `{ours}` leads in {len(leads)} of {len(leads) + len(loses)} cells; its output tokens/s are "
             f"{', '.join(f'{x:.2f}x' for x in ratios)} vLLM's at {', '.join(runs[ours])} streams"
             + (" (ahead at every concurrency)" if min(ratios) > 1 else "") + f". It loses {len(loses)}"
             + (": " if loses else "")
             + "; ".join(f"{label[c]} at {s} stream{'s' if s != '1' else ''}, {raw(a)} against {raw(b)}"
                         + ("" if c == "output_tokens_per_s" else " ms") for s, c, a, b in loses)
-            + f". Requests: {ok} ok, {errored} errored.")
+            + f". Requests: {requests}.")
 
 
 def render_predictor(d: dict, plot: Callable):
