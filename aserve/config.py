@@ -166,6 +166,9 @@ class ClusterConfig:
     prefix_aware_placement: bool = True
     rebalance: bool = True  # adaptive: with no prompt queued, decodes move to the least busy instance by KV
     rebalance_quiet_s: float = 10.0  # ... only once no request has arrived for this long
+    # adaptive: an instance whose running decodes will want more blocks than it has free moves one to
+    # the instance with the most spare blocks, which keeps this many spare beyond it; None: never
+    kv_relief: Optional[int] = None
     on_failure: str = "rerun"  # rerun | error: what happens to a failed instance's requests
     transfer_timeout_s: float = 30.0  # a KV transfer slower than this is retried elsewhere
     transfer_retries: int = 2  # retries on other decode instances before on_transfer_failure applies
@@ -225,6 +228,8 @@ class ClusterConfig:
             raise ValueError(f"transfer_retries must be >= 0, got {self.transfer_retries}")
         if self.rebalance_quiet_s < 0:
             raise ValueError(f"rebalance_quiet_s must be >= 0, got {self.rebalance_quiet_s}")
+        if self.kv_relief is not None and self.kv_relief < 0:
+            raise ValueError(f"kv_relief must be >= 0 blocks, got {self.kv_relief}")
         if self.prefill_token_budget is not None and self.prefill_token_budget < 1:
             raise ValueError(f"prefill_token_budget must be >= 1, got {self.prefill_token_budget}")
         if self.prefill_tbt_slo is not None and not self.prefill_tbt_slo > 0:

@@ -152,6 +152,42 @@ def test_rebalance_moves_decodes_to_the_idle_instance_without_changing_a_token(d
         assert counts["migrations"] == 0 and into_new == 0, counts
 
 
+# a pool of about 430 tokens an instance: the eight long decodes do not fit on two instances
+RELIEF_ENGINE = replace(ENGINE, kv_cache_gb=0.02)
+
+
+async def join_when_short(cl):
+    """A ``stream_all`` hook: once some instance is down to its last block, a prefill instance joins."""
+    while not any(i.blocks.num_free <= 1 for i in cl.instances.values()):
+        await asyncio.sleep(0.005)
+    await cl.lifecycle.add("prefill")
+
+
+@pytest.mark.parametrize("relief", [0, None])
+def test_kv_relief_moves_a_decode_instead_of_preempting_it_without_changing_a_token(default_bundle_fp32,
+                                                                                    offline_long, relief):
+    """--kv-relief: instances short of blocks for their decodes' next tokens move decodes by KV
+    migration to one with blocks to spare (here one that joins once an instance is down to its last block; rebalance
+    off, so every move is relief's); the tokens are the offline ones and every block comes back.
+    Off: no move."""
+    ids, want = offline_long
+    cfg = replace(REBALANCE, rebalance=False, kv_relief=relief)
+
+    async def main():
+        async with Cluster(RELIEF_ENGINE, cfg, bundle=default_bundle_fp32) as cl:
+            check(await stream_all(cl, ids, SP_LONG, during=join_when_short, after_tokens=1), want)
+            await settled(cl, cl.instances)
+            return cl.all_counts(), dict(cl.placer.placements), cl.free_blocks(), cl.total_blocks()
+
+    counts, placed, free, total = asyncio.run(main())
+    assert counts["finished"] == 8 and counts["reruns"] == 0 and counts["transfer_recomputes"] == 0, counts
+    assert free == total
+    if relief is None:
+        assert placed["relieved"] == 0 and counts["migrations"] == 0, (placed, counts)
+    else:
+        assert placed["relieved"] > 0 and counts["migrations"] == placed["relieved"], (placed, counts, total)
+
+
 def test_a_failed_rebalance_copy_leaves_the_decode_where_it_was(default_bundle_fp32, offline_long):
     ids, want = offline_long
 
@@ -166,7 +202,7 @@ def test_a_failed_rebalance_copy_leaves_the_decode_where_it_was(default_bundle_f
                     cl.handoff.inject_faults(len(cl.placer.moving.keys() - before))
 
             cl.placer.rebalance = drill
-            check(await stream_all(cl, ids, SP_LONG, during=join_when_all_decode([]), after_tokens=1), want)
+            check(await stream_all(cl, ids, SP_LONG, during=join_when_short, after_tokens=1), want)
             await settled(cl, cl.instances)
             return cl.all_counts()
 

@@ -28,6 +28,7 @@ class AdaptivePlacer:
                  requests: dict[str, RequestHandle], handoff: Handoff):
         self.clock, self.instances, self.requests, self.handoff = clock, instances, requests, handoff
         self.rebalance_quiet_s = cfg.rebalance_quiet_s
+        self.kv_relief = cfg.kv_relief  # None: no moves against KV pressure (relieve)
         self.prefix_aware = cfg.prefix_aware_placement  # cached prefixes enter the prices
         self.placement = Placement(PlacementConfig(
             engine.max_num_batched_tokens, cfg.placement_step_s, cfg.placement_prefill_token_s,
@@ -35,7 +36,7 @@ class AdaptivePlacer:
             prefill_token_budget=cfg.prefill_token_budget, ttft_slo=cfg.ttft_slo,
             slo_placement=cfg.slo_placement, slack=cfg.placement_slack))
         # where prompts went (and decodes a rebalance moved)
-        self.placements = {"prefill": 0, "decode": 0, "kept": 0, "taken": 0, "moved": 0}
+        self.placements = {"prefill": 0, "decode": 0, "kept": 0, "taken": 0, "moved": 0, "relieved": 0}
         self.moving: dict[str, tuple[str, int]] = {}  # rebalance: request id -> (to, epoch)
         self.migrating: set[str] = set()  # ... and those whose copy has begun, until it lands or fails
         self.last_arrival = float("-inf")  # when the last request arrived (the rebalance's quiet time)
@@ -155,6 +156,40 @@ class AdaptivePlacer:
         n = self.placement.rebalance_count(src, dst, moves)
         for rid in inst.migrate_decodes({r.request_id for _, r in rest[:n]}):
             self.moving[rid] = (dst.instance_id, self.requests[rid].epoch)
+
+    def relieve(self) -> None:
+        """Adaptive ``--kv-relief``: a move instead of a preemption. An instance whose spare blocks
+        (free, less one for each running decode's next block, each hand-over on its way and its
+        queued prompts' blocks) are below zero is about to preempt a decode; its decode with the
+        longest predicted rest (the served predictor's, ``expected_output``) leaves after its next
+        token by KV migration to the instance with the most spare blocks, if that one keeps
+        ``kv_relief`` spare beyond the decode's KV. One move at a time, as rebalance's (the loads
+        are priced again once it has landed); arrivals do not hold it back, as they do rebalance."""
+        self.moving = {rid: m for rid, m in self.moving.items()
+                       if rid in self.requests and self.requests[rid].epoch == m[1]}
+        if self.moving or self.migrating:
+            return
+        loads = self.entry_loads()
+        if len(loads) < 2:
+            return
+        spare = {ld.instance_id: ld.free_blocks - ld.num_decodes - self.handoff.receiving(ld.instance_id)
+                 - -(-ld.queued_tokens // ld.block_size) for ld in loads}
+        short = [ld for ld in loads if spare[ld.instance_id] < 0 and ld.num_decodes > 0]
+        if not short:
+            return
+        src = min(short, key=lambda ld: (spare[ld.instance_id], ld.instance_id))
+        dst = max(loads, key=lambda ld: (spare[ld.instance_id], ld.instance_id))
+        inst = self.instances[src.instance_id]
+        rest = sorted(((max(1.0, expected_output(r) - r.num_output_tokens), r)
+                       for r in inst.adaptive.running_decodes()), key=lambda m: -m[0])
+        if not rest:
+            return
+        r = rest[0][1]
+        if spare[dst.instance_id] < blocks_needed(r.num_tokens + 1, dst.block_size) + self.kv_relief:
+            return
+        for rid in inst.migrate_decodes({r.request_id}):
+            self.moving[rid] = (dst.instance_id, self.requests[rid].epoch)
+            self.placements["relieved"] += 1
 
     def keeps(self, instance: Instance, req: Request) -> bool:
         """Adaptive: whether a prefill instance keeps a prompt it just prefilled and decodes it

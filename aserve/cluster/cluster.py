@@ -421,6 +421,8 @@ class Cluster:
             self.spawn(self._handoff(instance, handle))
         if self.cfg.mode == "adaptive":
             self.placer.late_bind(instance)
+            if self.cfg.kv_relief is not None:
+                self.placer.relieve()
             if self.cfg.rebalance:
                 self.placer.rebalance()
 

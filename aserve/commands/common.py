@@ -170,6 +170,12 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
     g.add_argument("--rebalance-quiet", type=float, default=10.0, metavar="S",
                    help="adaptive rebalance: decodes move only once no request has arrived for S seconds (while "
                         "requests keep coming the placement evens the load, and moves cost)")
+    g.add_argument("--kv-relief", type=int, default=None, metavar="BLOCKS",
+                   help="adaptive: an instance whose running decodes will want more KV blocks within their next "
+                        "block of tokens than it has free (its queued prompts' blocks counted) moves its decode with "
+                        "the longest predicted rest, by KV migration, to the instance with the most spare blocks, "
+                        "if that one keeps BLOCKS spare beyond it; one move at a time, while requests arrive too "
+                        "(a move instead of a preemption). Default: off")
     g.add_argument("--placement-costs", type=placement_costs_arg, default=None, metavar="STEP_S,TOKEN_S,ROW_S",
                    help="adaptive: the step costs placement prices with (a step's fixed seconds, a prompt token's, a "
                         "decode row's) instead of deriving them from the measured engine (or sim: profile): to "
@@ -298,7 +304,7 @@ def cluster_config(a: argparse.Namespace):
                          flip_idle_s=a.flip_idle, flip_band=a.flip_band, flip_dwell_s=a.flip_dwell,
                          flip_cooldown_s=a.flip_cooldown, flip_migrate=not a.no_flip_migrate,
                          interference=a.interference, keep_margin=a.keep_margin, prompt_first=a.prompt_first,
-                         rebalance=a.rebalance, rebalance_quiet_s=a.rebalance_quiet,
+                         rebalance=a.rebalance, rebalance_quiet_s=a.rebalance_quiet, kv_relief=a.kv_relief,
                          prefix_aware_placement=a.prefix_aware_placement,
                          **placement_costs(a),
                          on_failure=a.on_failure,
