@@ -116,6 +116,17 @@ class AdaptivePlacer:
                     self.assign(handle, taker)
                     self.placements["taken"] += 1
 
+    def _prune_moving(self) -> None:
+        """Forget planned moves of requests that ended or were re-run since."""
+        self.moving = {rid: m for rid, m in self.moving.items()
+                       if rid in self.requests and self.requests[rid].epoch == m[1]}
+
+    @staticmethod
+    def _by_rest(inst: Instance) -> list:
+        """``inst``'s running decodes as (expected rest, request), the longest predicted rest first."""
+        return sorted(((max(1.0, expected_output(r) - r.num_output_tokens), r)
+                       for r in inst.adaptive.running_decodes()), key=lambda m: -m[0])
+
     def rebalance(self) -> None:
         """Adaptive: once the arrivals have stopped (none for ``rebalance_quiet_s``) and no prompt
         is queued anywhere, move running decodes from the instance with the most to the one with
@@ -129,8 +140,7 @@ class AdaptivePlacer:
         instance ride beside the next prompts' chunks, and a batch split in two pays the step's
         fixed cost twice (at paper scale on Mixed, moves at any time: P99 token gap +26%, busy +3%;
         docs/notes/adaptive.md, "Shift trace")."""
-        self.moving = {rid: m for rid, m in self.moving.items()
-                        if rid in self.requests and self.requests[rid].epoch == m[1]}
+        self._prune_moving()
         if self.moving or self.migrating or self.clock.now() - self.last_arrival < self.rebalance_quiet_s:
             return
         # the loads' queued tokens, asked first as "any queued?" (found at an instance's first
@@ -150,8 +160,7 @@ class AdaptivePlacer:
         if src.num_decodes - dst.num_decodes < 2:
             return
         inst = self.instances[src.instance_id]
-        rest = sorted(((max(1.0, expected_output(r) - r.num_output_tokens), r)
-                       for r in inst.adaptive.running_decodes()), key=lambda m: -m[0])
+        rest = self._by_rest(inst)
         moves = [(left, blocks_needed(r.num_tokens + 1, dst.block_size)) for left, r in rest]
         n = self.placement.rebalance_count(src, dst, moves)
         for rid in inst.migrate_decodes({r.request_id for _, r in rest[:n]}):
@@ -165,8 +174,7 @@ class AdaptivePlacer:
         token by KV migration to the instance with the most spare blocks, if that one keeps
         ``kv_relief`` spare beyond the decode's KV. One move at a time, as rebalance's (the loads
         are priced again once it has landed); arrivals do not hold it back, as they do rebalance."""
-        self.moving = {rid: m for rid, m in self.moving.items()
-                       if rid in self.requests and self.requests[rid].epoch == m[1]}
+        self._prune_moving()
         if self.moving or self.migrating:
             return
         loads = self.entry_loads()
@@ -180,8 +188,7 @@ class AdaptivePlacer:
         src = min(short, key=lambda ld: (spare[ld.instance_id], ld.instance_id))
         dst = max(loads, key=lambda ld: (spare[ld.instance_id], ld.instance_id))
         inst = self.instances[src.instance_id]
-        rest = sorted(((max(1.0, expected_output(r) - r.num_output_tokens), r)
-                       for r in inst.adaptive.running_decodes()), key=lambda m: -m[0])
+        rest = self._by_rest(inst)
         if not rest:
             return
         r = rest[0][1]
