@@ -166,9 +166,10 @@ class ClusterConfig:
     prefix_aware_placement: bool = True
     rebalance: bool = True  # adaptive: with no prompt queued, decodes move to the least busy instance by KV
     rebalance_quiet_s: float = 10.0  # ... only once no request has arrived for this long
-    # adaptive: an instance whose running decodes will want more blocks than it has free moves one to
-    # the instance with the most spare blocks, which keeps this many spare beyond it; None: never
-    kv_relief: Optional[int] = None
+    # adaptive: an instance whose running decodes will want more blocks within a few tokens than it
+    # has free moves one to the instance with the most spare blocks, which keeps this many spare
+    # beyond it; None: never (a preemption instead)
+    kv_relief: Optional[int] = 16
     on_failure: str = "rerun"  # rerun | error: what happens to a failed instance's requests
     transfer_timeout_s: float = 30.0  # a KV transfer slower than this is retried elsewhere
     transfer_retries: int = 2  # retries on other decode instances before on_transfer_failure applies

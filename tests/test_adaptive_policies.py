@@ -396,6 +396,22 @@ def test_placement_costs_pinned_from_the_command_line_reach_the_placement():
             p.parse_args(["--mode", "adaptive", "--placement-costs", bad])
 
 
+def test_kv_relief_is_on_by_default_and_off_by_name():
+    """``--kv-relief``: 16 blocks unless given; ``off`` gives None (preempt instead); anything else
+    but a whole number >= 0 is refused with the flag named."""
+    from aserve.commands.common import cluster_config
+    from aserve.config import ClusterConfig
+
+    p = cluster_parser()
+    assert ClusterConfig().kv_relief == 16
+    assert cluster_config(p.parse_args(["--mode", "adaptive"])).kv_relief == 16
+    assert cluster_config(p.parse_args(["--mode", "adaptive", "--kv-relief", "off"])).kv_relief is None
+    assert cluster_config(p.parse_args(["--mode", "adaptive", "--kv-relief", "0"])).kv_relief == 0
+    for bad in ("-1", "lots", "1.5", ""):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--mode", "adaptive", "--kv-relief", bad])
+
+
 def test_a_head_without_blocks_does_not_hold_an_idle_instance_for_ever():
     # A preempted request at the head of the queue needs more blocks than are free, and the only
     # blocks held are those of a hand-over that landed behind it: with nothing running, nothing

@@ -21,6 +21,14 @@ from scheduling.prefix import cached_prefix_tokens
 from scheduling.request import Request
 
 
+# --kv-relief looks this many tokens ahead: a decode whose last block fills within them counts as
+# needing a block. Tuned at paper scale on the synthetic workloads (docs/notes/slo-serving.md): one
+# step ahead moved too late to spare a preemption in some cells, and counting one block for every
+# decode (a block's worth of steps ahead) moved decodes that would not have been preempted, each
+# paying a token gap (LPLD tight-tpot 6.61 -> 5.56, HPLD tight-tpot 0.536 -> 0.471 req/s a device).
+RELIEF_HORIZON_STEPS = 4
+
+
 class AdaptivePlacer:
     """The adaptive decisions over ``instances`` and ``requests`` (the cluster's own tables)."""
 
@@ -167,24 +175,32 @@ class AdaptivePlacer:
             self.moving[rid] = (dst.instance_id, self.requests[rid].epoch)
 
     def relieve(self) -> None:
-        """Adaptive ``--kv-relief``: a move instead of a preemption. An instance whose spare blocks
-        (free, less one for each running decode's next block, each hand-over on its way and its
-        queued prompts' blocks) are below zero is about to preempt a decode; its decode with the
-        longest predicted rest (the served predictor's, ``expected_output``) leaves after its next
-        token by KV migration to the instance with the most spare blocks, if that one keeps
-        ``kv_relief`` spare beyond the decode's KV. One move at a time, as rebalance's (the loads
-        are priced again once it has landed); arrivals do not hold it back, as they do rebalance."""
+        """Adaptive ``--kv-relief`` (on by default): a move instead of a preemption. An instance whose
+        free blocks, less the copies on their way in, no longer cover the blocks its running decodes
+        start within the next ``RELIEF_HORIZON_STEPS`` tokens is about to preempt one; its decode
+        with the longest predicted rest (the served predictor's, ``expected_output``) leaves after
+        its next token by KV migration to the instance with the most spare blocks (free, less one
+        for each of its decodes, each copy on its way in and its queued prompts' blocks), if that
+        one keeps ``kv_relief`` spare beyond the decode's KV. One move at a time, as rebalance's
+        (the loads are priced again once it has landed); arrivals do not hold it back, as they do
+        rebalance. A move costs its decode a token gap (the copy and the receiver's next step), so
+        it is made only where a block is short within a few steps, not wherever the pool is
+        merely full (docs/notes/slo-serving.md, "A move instead of a preemption")."""
         self._prune_moving()
         if self.moving or self.migrating:
             return
         loads = self.entry_loads()
         if len(loads) < 2:
             return
-        spare = {ld.instance_id: ld.free_blocks - ld.num_decodes - self.handoff.receiving(ld.instance_id)
-                 - -(-ld.queued_tokens // ld.block_size) for ld in loads}
-        short = [ld for ld in loads if spare[ld.instance_id] < 0 and ld.num_decodes > 0]
+        receiving = {ld.instance_id: self.handoff.receiving(ld.instance_id) for ld in loads}
+        # a decode needs at most one block within the horizon, so an instance whose free blocks
+        # cover one for each of them is not short, and its decodes need not be read
+        short = [ld for ld in loads if ld.num_decodes > 0 and ld.free_blocks - receiving[ld.instance_id]
+                 < ld.num_decodes and self._free_after_horizon(ld, receiving[ld.instance_id]) < 0]
         if not short:
             return
+        spare = {ld.instance_id: ld.free_blocks - ld.num_decodes - receiving[ld.instance_id]
+                 - -(-ld.queued_tokens // ld.block_size) for ld in loads}
         src = min(short, key=lambda ld: (spare[ld.instance_id], ld.instance_id))
         dst = max(loads, key=lambda ld: (spare[ld.instance_id], ld.instance_id))
         inst = self.instances[src.instance_id]
@@ -197,6 +213,14 @@ class AdaptivePlacer:
         for rid in inst.migrate_decodes({r.request_id}):
             self.moving[rid] = (dst.instance_id, self.requests[rid].epoch)
             self.placements["relieved"] += 1
+
+    def _free_after_horizon(self, load: EntryLoad, receiving: int) -> int:
+        """The instance's free blocks less the copies on their way in and one for each running
+        decode whose last block fills within ``RELIEF_HORIZON_STEPS`` tokens."""
+        bs = load.block_size
+        need = sum((-r.num_tokens) % bs < RELIEF_HORIZON_STEPS
+                   for r in self.instances[load.instance_id].adaptive.running_decodes())
+        return load.free_blocks - receiving - need
 
     def keeps(self, instance: Instance, req: Request) -> bool:
         """Adaptive: whether a prefill instance keeps a prompt it just prefilled and decodes it

@@ -170,12 +170,12 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
     g.add_argument("--rebalance-quiet", type=float, default=10.0, metavar="S",
                    help="adaptive rebalance: decodes move only once no request has arrived for S seconds (while "
                         "requests keep coming the placement evens the load, and moves cost)")
-    g.add_argument("--kv-relief", type=int, default=None, metavar="BLOCKS",
+    g.add_argument("--kv-relief", type=kv_relief_arg, default=16, metavar="BLOCKS|off",
                    help="adaptive: an instance whose running decodes will want more KV blocks within their next "
-                        "block of tokens than it has free (its queued prompts' blocks counted) moves its decode with "
-                        "the longest predicted rest, by KV migration, to the instance with the most spare blocks, "
-                        "if that one keeps BLOCKS spare beyond it; one move at a time, while requests arrive too "
-                        "(a move instead of a preemption). Default: off")
+                        "few tokens than it has free moves its decode with the longest predicted rest, by KV "
+                        "migration, to the instance with the most spare blocks, if that one keeps BLOCKS spare "
+                        "beyond it; one move at a time, while requests arrive too (a move instead of a "
+                        "preemption). 'off': preempt instead. Default: 16")
     g.add_argument("--placement-costs", type=placement_costs_arg, default=None, metavar="STEP_S,TOKEN_S,ROW_S",
                    help="adaptive: the step costs placement prices with (a step's fixed seconds, a prompt token's, a "
                         "decode row's) instead of deriving them from the measured engine (or sim: profile): to "
@@ -263,6 +263,19 @@ def keep_margin_arg(text: str) -> Optional[int]:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected auto or a whole number >= 0, got {text!r}")
     return int(text)
+
+
+def kv_relief_arg(text: str) -> Optional[int]:
+    """``--kv-relief``: blocks >= 0, or 'off' (None: no moves against KV pressure)."""
+    if text.strip().lower() == "off":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of blocks >= 0 or 'off', got {text!r}")
+    return value
 
 
 def placement_costs_arg(text: str) -> tuple[float, float, float]:
