@@ -175,6 +175,29 @@ def test_adaptive_late_binding_moves_unstarted_prompts_to_an_instance_with_room(
         assert inst["free_blocks_end"] == inst["free_blocks_start"], inst
 
 
+def test_kv_relief_moves_a_decode_instead_of_preempting_it_and_the_timeline_shows_where(tmp_path):
+    """Long and short requests alternate on 1P+1D adaptive with a pool of about 80 blocks an
+    instance: the prefill instance's long decodes outgrow its pool while the decode instance's
+    short ones have ended. With --kv-relief (the default) decodes move by their KV and none is
+    preempted; each landed move is in the report's move log (when, from, to, why) and on the
+    timeline; with it off, the same replay preempts and nothing moves."""
+    trace = [{"timestamp": 0.001 * i, "prompt_tokens": 60 + 10 * i, "output_tokens": 250 if i % 2 == 0 else 5}
+             for i in range(10)]
+    flags = ("--mode", "adaptive", "--prefill", "1", "--decode", "1", "--max-num-batched-tokens", "256",
+             "--predictor", "none", "--kv-cache-gb", "0.06", "--dtype", "fp32", "--no-rebalance")
+    (on,) = replay_sim(tmp_path, trace, *flags, "--plots", str(tmp_path / "plots"), name="on")["systems"].values()
+    (off,) = replay_sim(tmp_path, trace, *flags, "--kv-relief", "off", name="off")["systems"].values()
+    for s in (on, off):
+        assert s["completed"] == 10 and s["output_tokens"] == sum(r["output_tokens"] for r in trace)
+        for inst in s["instances"]:
+            assert inst["free_blocks_end"] == inst["free_blocks_start"], inst
+    assert off["preemptions"] > 0 and off["moves"] == 0 and off["move_log"] == []
+    assert on["preemptions"] == 0 and on["moves"] == on["placements"]["relieved"] == len(on["move_log"]) > 0
+    for m in on["move_log"]:
+        assert (m["from"], m["to"], m["why"]) == ("p0", "d1", "relief") and 0 < m["at"] < on["makespan_s"], m
+    assert (tmp_path / "plots" / "timeline.png").stat().st_size > 0
+
+
 def test_a_replay_refuses_a_profile_measured_at_other_threads(tmp_path, capsys):
     """Issue 58's case from the command line: a profile measured at two threads (``aserve profile
     device``'s default on this machine) and a 1P + 1D replay at one thread each is refused, with

@@ -45,7 +45,9 @@ class AdaptivePlacer:
             slo_placement=cfg.slo_placement, slack=cfg.placement_slack))
         # where prompts went (and decodes a rebalance moved)
         self.placements = {"prefill": 0, "decode": 0, "kept": 0, "taken": 0, "moved": 0, "relieved": 0}
-        self.moving: dict[str, tuple[str, int]] = {}  # rebalance: request id -> (to, epoch)
+        self.moving: dict[str, tuple[str, int, str]] = {}  # request id -> (to, epoch, why: rebalance | relief)
+        # each move that landed: when ("at", the cluster's clock), the request, from, to and why
+        self.move_log: list[dict] = []
         self.migrating: set[str] = set()  # ... and those whose copy has begun, until it lands or fails
         self.last_arrival = float("-inf")  # when the last request arrived (the rebalance's quiet time)
 
@@ -124,6 +126,12 @@ class AdaptivePlacer:
                     self.assign(handle, taker)
                     self.placements["taken"] += 1
 
+    def landed(self, request_id: str, src: str, dst: str, why: str) -> None:
+        """A planned move's KV arrived on ``dst`` (``Cluster`` calls it): counted, and logged with
+        its time for the replay's timeline."""
+        self.placements["moved"] += 1
+        self.move_log.append({"at": self.clock.now(), "request": request_id, "from": src, "to": dst, "why": why})
+
     def _prune_moving(self) -> None:
         """Forget planned moves of requests that ended or were re-run since."""
         self.moving = {rid: m for rid, m in self.moving.items()
@@ -172,7 +180,7 @@ class AdaptivePlacer:
         moves = [(left, blocks_needed(r.num_tokens + 1, dst.block_size)) for left, r in rest]
         n = self.placement.rebalance_count(src, dst, moves)
         for rid in inst.migrate_decodes({r.request_id for _, r in rest[:n]}):
-            self.moving[rid] = (dst.instance_id, self.requests[rid].epoch)
+            self.moving[rid] = (dst.instance_id, self.requests[rid].epoch, "rebalance")
 
     def relieve(self) -> None:
         """Adaptive ``--kv-relief`` (on by default): a move instead of a preemption. An instance whose
@@ -211,7 +219,7 @@ class AdaptivePlacer:
         if spare[dst.instance_id] < blocks_needed(r.num_tokens + 1, dst.block_size) + self.kv_relief:
             return
         for rid in inst.migrate_decodes({r.request_id}):
-            self.moving[rid] = (dst.instance_id, self.requests[rid].epoch)
+            self.moving[rid] = (dst.instance_id, self.requests[rid].epoch, "relief")
             self.placements["relieved"] += 1
 
     def _free_after_horizon(self, load: EntryLoad, receiving: int) -> int:

@@ -410,7 +410,7 @@ class Cluster:
                     continue
                 handle.phase = "transfer"
                 self.placer.migrating.add(req.request_id)  # from now, not when the task first runs
-                self.spawn(self._migrate(instance, handle, dst))
+                self.spawn(self._migrate(instance, handle, dst, moving[2]))
                 continue
             if self.placer.keeps(instance, req):
                 instance.keep_kv(req.request_id)
@@ -447,10 +447,10 @@ class Cluster:
         await self.predictor.attach(handle.request)  # parallel mode: the dispatcher and decode policies read it
         await self.handoff.run(src, handle)
 
-    async def _migrate(self, src: Instance, handle: RequestHandle, dst: Instance) -> None:
+    async def _migrate(self, src: Instance, handle: RequestHandle, dst: Instance, why: str) -> None:
         try:
             if await self.handoff.migrate(src, handle, dst):
-                self.placer.placements["moved"] += 1
+                self.placer.landed(handle.request.request_id, src.id, dst.id, why)
         finally:
             self.placer.migrating.discard(handle.request.request_id)
 

@@ -257,6 +257,7 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
         if warmup:
             await _warm_up(cluster, len(bundle.tokenizer))
         placed0 = dict(cluster.placements)  # after the warm-up: the trace's requests only
+        moves0 = len(cluster.placer.move_log)
         if step_log is not None:
             step_log.start_system(spec.name, cluster.clock.now)
             cluster.log_steps(step_log)
@@ -293,6 +294,7 @@ async def replay_cluster(spec: SystemSpec, trace: Trace, prompts: Sequence[list[
                          flip_log=tuple(cluster.lifecycle.flip_log), kv_transfer=kv,
                          placements=({k: v - placed0.get(k, 0) for k, v in cluster.placements.items()}
                                      if spec.cluster.mode == "adaptive" else None),
+                         move_log=tuple({**m, "at": m["at"] - base} for m in cluster.placer.move_log[moves0:]),
                          failures=tuple(_failure(f) for f in cluster.lifecycle.failure_log), predictor=_predictor_delta(pred0, cluster.predictor.snapshot(),
                                                                     cluster.predictor.latency, lat0))
     finally:

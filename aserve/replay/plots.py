@@ -2,7 +2,8 @@
 
     cdf.png       TTFT, JCT and TBT CDFs, one line per system
     timeline.png  one panel per system, one lane per instance; shade = share of each sample
-                  period its executor was busy, colour = its role then
+                  period its executor was busy, colour = its role then; a marker on a lane where a
+                  decode moved by its KV landed there (adaptive: rebalance ▶, --kv-relief ▼)
     relative.png  like the paper's Figure 16: % change of mean TTFT, mean JCT, resource usage
                   and perf/$ of each system against the first (only with two or more systems)
     slo.png       under an SLO: each system's attainment (the 90% line drawn), its goodput per
@@ -18,11 +19,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from aserve.replay.report import SystemRun, request_latencies  # noqa: E402
 
 ROLE_COLOURS = {"prefill": "tab:blue", "decode": "tab:orange", "coupled": "tab:green"}
+MOVE_MARKERS = {"rebalance": ">", "relief": "v"}  # where a decode moved by its KV landed, by why
 
 
 def _samples(run: SystemRun, key: str) -> np.ndarray:
@@ -75,8 +78,15 @@ def plot_timelines(runs: Sequence[SystemRun], path: Path) -> Path:
     fig, axes = plt.subplots(max(1, len(runs)), 1, figsize=(12, 1.2 + 1.1 * sum(max(1, len(r.instances)) for r in runs)),
                              squeeze=False)
     for ax, run in zip(axes[:, 0], runs):
+        lanes = {}
         for y, inst in enumerate(run.instances):
             _lane(ax, y, inst.samples)
+            lanes[inst.id] = y
+        for why, marker in MOVE_MARKERS.items():
+            moves = [(m["at"], lanes[m["to"]]) for m in run.move_log if m["why"] == why and m["to"] in lanes]
+            if moves:
+                ax.scatter(*zip(*moves), marker=marker, s=40, color="black", edgecolors="white", linewidths=0.6,
+                           zorder=3)
         ax.set_yticks(range(len(run.instances)),
                       [f"{i.id} ({i.role}) {i.busy_s:.1f}s busy" for i in run.instances], fontsize=8)
         ax.set_ylim(-0.6, len(run.instances) - 0.4)
@@ -84,7 +94,12 @@ def plot_timelines(runs: Sequence[SystemRun], path: Path) -> Path:
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("time since the replay started (s)")
     handles = [Patch(color=c, label=role) for role, c in ROLE_COLOURS.items()]
-    axes[0, 0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize=8, frameon=False)
+    whys = {m["why"] for r in runs for m in r.move_log}
+    handles += [Line2D([], [], marker=m, linestyle="", color="black", label=f"a decode moved in ({why})")
+                for why, m in MOVE_MARKERS.items() if why in whys]
+    # below the last panel: above the first it covered the title
+    axes[-1, 0].legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=len(handles),
+                       fontsize=8, frameon=False)
     return save_figure(fig, path)
 
 

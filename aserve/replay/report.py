@@ -95,6 +95,9 @@ class SystemRun:
     # adaptive: prompts placed on each role, prefilled requests kept where prefilled, prompts taken
     # by another instance before they started (aserve/cluster/adaptive.py, AdaptivePlacer.late_bind)
     placements: Optional[dict] = None
+    # adaptive: each decode moved by its KV that landed (rebalance or --kv-relief): "at" (seconds since
+    # the replay started), request, from, to, why
+    move_log: tuple = ()
     vllm: dict = field(default_factory=dict)  # over HTTP: vllm bench serve's fields (aserve/replay/vllm_names.py)
     devices: Optional[int] = None  # devices the system ran on (None: its instances, where known)
     cache_evictions: Optional[int] = None  # cached blocks evicted from the prefix cache (None: not known)
@@ -161,7 +164,8 @@ def summarize(run: SystemRun, slo: Optional[Slo] = None, clipped: int = 0) -> di
            "flips_per_min": run.flips * 60 / span if run.flips is not None and span > 0 else None,
            "flip_log": [{k: f[k] for k in ("instance", "from", "to", "drain_s", "flip_s", "reason", "at", "migrated")
                          if k in f} for f in run.flip_log],
-           "placements": run.placements,
+           "placements": run.placements, "moves": len(run.move_log) if run.placements is not None else None,
+           "move_log": list(run.move_log),
            "predictor": run.predictor,
            "predictor_accuracy": (run.predictor or {}).get("accuracy"),
            **_prefix_cache(done), "prefix_cache_evictions": run.cache_evictions,
@@ -301,6 +305,7 @@ _SCALAR_ROWS = (("throughput req/s", "throughput_rps", "{:.3f}"), ("output token
                 ("KV transfer s, real (sum)", "kv_real_s", "{:.3f}"),
                 ("KV transfer s, emulated (sum)", "kv_emulated_s", "{:.3f}"),
                 ("KV real copy bytes/s", "kv_real_bytes_per_s", "{:,.0f}"), ("flips", "flips", "{:d}"),
+                ("decodes moved by KV (rebalance, relief)", "moves", "{:d}"),
                 ("flips per minute", "flips_per_min", "{:.2f}"), ("flip s (max, no drain)", "flip_s_max", "{:.4f}"),
                 ("drain s (max)", "drain_s_max", "{:.2f}"),
                 ("predictor accuracy (online)", "predictor_accuracy", "{:.1%}"),
