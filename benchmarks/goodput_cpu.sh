@@ -2,9 +2,9 @@
 # Issue 54's real-CPU goodput rows: the four systems on this machine's CPU, two instances of one
 # thread each and the same KV memory (0.5 GiB an instance) per system: vllm and sarathi as 2
 # coupled instances, tetri as 1P+1D (the only static split of two), adaptive starting 1P+1D.
-# Mixed and the Azure conversation trace at the balanced corner, Azure at tight-ttft and tight-tpot
-# (the committed rows); Mixed at the tight corners and the Azure code trace (report-only, nothing
-# tuned on it) at balanced when asked for by name (each cell of Mixed is about 25 minutes).
+# Mixed and the Azure conversation trace at each SLO corner (the committed rows: about 35 minutes on
+# a 2-core AVX512-BF16 machine in bf16, twice that in fp32 on an AVX2 one); the Azure code trace
+# (report-only, nothing tuned on it) at balanced when asked for by name.
 #
 # The traces are shrunk to fit a session: lengths x0.1 (LENGTH_SCALE) and the first 32 requests
 # (N). At their full lengths a search on this CPU is a day: `--estimate-only` on Mixed's 128
@@ -13,9 +13,8 @@
 #
 #   benchmarks/goodput_cpu.sh OUT_DIR [CELL...]   # then: python benchmarks/goodput_table.py OUT_DIR --cpu
 #
-# CELL is W_CORNER (e.g. Mixed_tight-ttft); none: the four committed cells. PRECISION (0.15) is the knee's
-# relative step; the committed rows ran Mixed balanced at 0.15 and the others at 0.25 to fit one
-# quiet hour (with 32 requests one request is 3% of the attainment, so the finer step buys little).
+# CELL is W_CORNER (e.g. Mixed_tight-ttft); none: the six committed cells. PRECISION (0.15) is the knee's
+# relative step (with 32 requests one request is 3% of the attainment, so a finer step buys little).
 #
 # Each search starts at the knee simulated on sim:local (this machine's measured profile: run
 # `aserve profile device --threads 1` on a machine at rest first) and states its wall time; about
@@ -50,6 +49,6 @@ cell Mixed balanced traces/Mixed.jsonl
 cell Azure balanced "$DATA/azure2023_conv.csv"
 cell Azure tight-ttft "$DATA/azure2023_conv.csv"
 cell Azure tight-tpot "$DATA/azure2023_conv.csv"
-cell Mixed tight-ttft traces/Mixed.jsonl extra
-cell Mixed tight-tpot traces/Mixed.jsonl extra
+cell Mixed tight-ttft traces/Mixed.jsonl
+cell Mixed tight-tpot traces/Mixed.jsonl
 cell AzureCode balanced "$DATA/azure2023_code.csv" extra

@@ -605,10 +605,12 @@ def render_goodput(d: dict, plot: Callable):
         sims = [c["simulated_knee_rate"] / c["knee_rate"] for c in d["cells"]
                 if c.get("simulated_knee_rate") and c.get("knee_rate")]
         if sims:
+            mid = statistics.median(sims)
+            lean = ("optimistic" if mid > 1.1 else "pessimistic" if mid < 1 / 1.1
+                    else "within a tenth on the median, with a spread")
             reading += (f" Each search started at the knee its simulated twin (sim:local, this machine's measured "
                         f"profile) found; that knee was {min(sims):.2f}-{max(sims):.2f}x the real one (median "
-                        f"{statistics.median(sims):.2f}x over {len(sims)} searches): the simulator is optimistic here "
-                        f"(issue 58).")
+                        f"{mid:.2f}x over {len(sims)} searches): the simulator is {lean} here (issue 58).")
     reading += (" What limits the best system of a cell: " + "; ".join(
         f"{c}: " + ", ".join(f"{lim} {len(ws)}" for lim, ws in sorted(limits[c].items(), key=lambda kv: -len(kv[1])))
         for c in corners if c in limits) + ".")
