@@ -20,7 +20,8 @@ ARGS ?=
 # parity with offline, swap preemption, the Ray tests that prove a cluster of actors: the same
 # greedy output as in-process over the three KV paths, an actor killed mid-run losing no request,
 # and three Ray nodes on this machine: hand-overs across nodes, a node lost mid-run; and the
-# two-minute soak, 2.5 minutes, which took make test to 15:03 on 2026-11-29).
+# two-minute soak, 2.5 minutes, which took make test to 15:03 on 2026-11-29; and adaptive's --kv-relief,
+# on by default, moving decodes on the real model without changing a token).
 MARKS ?= not long
 CI_LONG ?= tests/test_bench_engine.py tests/test_cluster.py::test_cli_generate_disagg_equals_offline \
 	"tests/test_cluster.py::test_disagg_and_coupled_match_offline[coupled2]" \
@@ -29,7 +30,8 @@ CI_LONG ?= tests/test_bench_engine.py tests/test_cluster.py::test_cli_generate_d
 	tests/test_ray_cluster.py::test_killed_actor_mid_run_loses_no_request \
 	tests/test_ray_nodes.py \
 	tests/test_prefix_cache_engine.py::test_offline_engine_answers_as_without_the_cache_and_hits \
-	tests/test_soak.py::test_two_minute_soak_loses_nothing_and_leaks_nothing
+	tests/test_soak.py::test_two_minute_soak_loses_nothing_and_leaks_nothing \
+	"tests/test_adaptive_cluster.py::test_kv_relief_moves_a_decode_instead_of_preempting_it_without_changing_a_token[0]"
 
 
 .PHONY: serve test test-unit kernels test-long test-ci-long test-all install predictors bench results results-sim-check clean
