@@ -312,6 +312,11 @@ class Instance:
         """Requests waiting for a step (decode: for a batch slot; preempted ones included)."""
         return self.scheduler.queue_lengths()[0]
 
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch (its scheduler's count: no walk of the queues)."""
+        return self.scheduler.queue_lengths()[1]
+
     def snapshot(self) -> dict:
         """This instance's row of ``/v1/stats`` (plain JSON values)."""
         sched, receiver = self.scheduler, self.scheduler.as_receiver()
