@@ -160,6 +160,10 @@ class ClusterConfig:
     slo_placement: bool = False
     slo_order: bool = False
     placement_slack: float = 0.5
+    # adaptive: the TPOT SLO in force as (seconds, c): limit = seconds + c x a batch-1 decode step; placement
+    # then keeps prompts from instances where their chunks would push running decodes past it
+    # (scheduling/placement.py, tpot_misses); None: placed without regard to TPOT
+    tpot_slo: Optional[tuple] = None
     keep_margin: Optional[int] = None  # None: keep unless a hand-over pays (priced); N: unless it decodes N more
     prompt_first: bool = False  # adaptive: prompts that end within the budget run in a step of their own
     # with prefix caching: placement counts each instance's cached prefix of the prompt (scheduling/placement.py)

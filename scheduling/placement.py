@@ -54,9 +54,22 @@ SLO-driven placement (issue 55; ``slo_placement``, with the TTFT SLO in force as
 a prompt's TTFT limit is a multiple of its unloaded prefill plus decode steps (the corner's rule,
 aserve/replay/slo.py, on these costs); of the instances where its estimated ``ttft`` keeps
 ``slack`` of that limit, it goes to the one whose running decodes its chunks slow least
-(``harm``), so prompts stay on the prefill-heavy side while its queue allows and spill to the
-decode-heavy instances only when waiting there would spend the prompt's slack (TaiChi's rule);
-where none keeps the slack, the cheapest by ``cost`` as above. Late binding keeps the same rule.
+(``harm``), then to a prefill instance, then to the sooner TTFT, so prompts stay on the
+prefill-heavy side while its queue allows and spill to the decode-heavy instances only when waiting
+there would spend the prompt's slack (TaiChi's rule); where none keeps the slack, the cheapest by
+``cost`` as above. Late binding keeps the same rule. The prefill instance comes before the sooner
+TTFT where both harm alike (typically: no decode on either yet): the decode instance is where the
+prefill side's requests go next, and a prompt chunked there shares its steps with them. On this
+CPU, where a prompt token costs 8% of a step and a decode row 16%, Azure conversation at the tight-
+TPOT corner went from 2.3-2.8 to 4.3 req/s a device (the split: 3.3) and at balanced from 3.3 to
+4.3 (docs/notes/goodput.md, "Role first").
+
+With the TPOT SLO known as well (``tpot_slo``, on wherever the SLO in force has a TPOT limit),
+all of that runs among the instances where the prompt's chunks push the fewest running decodes
+past their TPOT limit (``tpot_misses``): each decode still within its limit has a room, the step
+time it can take over its predicted rest before its mean token time passes the limit, which the
+prompts queued there use first; a decode that will end within a few steps sees only those steps'
+chunks. Late binding never takes a prompt where it would push more decodes past than where it waits.
 
 The default ``interference`` 0.2 comes from real pairs against sarathi on all six workloads (the
 five synthetic ones and the Azure conversation trace: the tuning set; the Azure code trace is
@@ -84,6 +97,9 @@ class EntryLoad:
     free_blocks: int
     block_size: int
     cached_tokens: int = 0  # of the prompt being placed: its prefix already cached there (scheduling/prefix.py)
+    # with the TPOT SLO known (tpot_slo): each running decode there still within its TPOT limit, as
+    # (seconds of extra step time it can take before its mean token time passes the limit, tokens left)
+    tpot_rooms: tuple = ()
 
     def __post_init__(self):
         if self.role not in ("prefill", "decode"):
@@ -106,6 +122,10 @@ class PlacementConfig:
     ttft_slo: Optional[tuple] = None
     slo_placement: bool = False  # place by TTFT slack (choose, takes); False: by cost alone
     slack: float = 0.5  # share of a prompt's TTFT limit its estimated TTFT may use where it harms fewer decodes
+    # the TPOT SLO in force, (seconds, c): limit = seconds + c x (step_s + decode_row_s), a batch-1 decode
+    # step; placement then keeps prompts from where their chunks would push running decodes past it
+    # (tpot_misses); None: prompts are placed without regard to the decodes' TPOT
+    tpot_slo: Optional[tuple] = None
 
     def __post_init__(self):
         for name in ("step_s", "prefill_token_s", "decode_row_s", "interference"):
@@ -116,6 +136,8 @@ class PlacementConfig:
             raise ValueError(f"placement token_budget and min_chunk must be >= 1, got {self}")
         if self.ttft_slo is not None and (len(self.ttft_slo) != 3 or min(self.ttft_slo) < 0 or not any(self.ttft_slo)):
             raise ValueError(f"placement ttft_slo is (seconds, a, b), each >= 0 and not all 0, got {self.ttft_slo}")
+        if self.tpot_slo is not None and (len(self.tpot_slo) != 2 or min(self.tpot_slo) < 0 or not any(self.tpot_slo)):
+            raise ValueError(f"placement tpot_slo is (seconds, c), each >= 0 and not both 0, got {self.tpot_slo}")
         if not 0 < self.slack <= 1:
             raise ValueError(f"placement slack must be in (0, 1], got {self.slack}")
         if self.slo_placement and self.ttft_slo is None:
@@ -188,33 +210,66 @@ class Placement:
         seconds, a, b = c.ttft_slo
         return seconds + a * (c.step_s + num_prompt_tokens * c.prefill_token_s) + b * c.step_s
 
+    def tpot_limit_s(self) -> Optional[float]:
+        """A decode's TPOT limit under the SLO in force, on these costs (None: none)."""
+        if self.config.tpot_slo is None:
+            return None
+        c = self.config
+        seconds, scale = c.tpot_slo
+        return seconds + scale * (c.step_s + c.decode_row_s)
+
+    def tpot_misses(self, load: EntryLoad, num_prompt_tokens: int) -> int:
+        """Running decodes there that the prompt's chunks would push past their TPOT limit: those
+        whose room (``EntryLoad.tpot_rooms``) the prompts queued there leave, and the prompt's own
+        chunks then fill. A decode sees the queued chunks and the prompt's while it runs: all of
+        them, or one share a step for the tokens it has left, whichever is less."""
+        if not load.tpot_rooms:
+            return 0
+        c, share = self.config, self.share(load)
+        before = load.queued_tokens * c.prefill_token_s
+        after = before + _uncached(load, num_prompt_tokens) * c.prefill_token_s
+        n = 0
+        for room, left in load.tpot_rooms:
+            cap = left * share * c.prefill_token_s
+            n += min(before, cap) <= room < min(after, cap)
+        return n
+
     def choose(self, loads: Sequence[EntryLoad], num_prompt_tokens: int) -> Optional[EntryLoad]:
         """The instance that can hold the prompt's KV now (a prefill instance queues it in any
         case) where it costs least; None if there is none. With ``slo_placement`` (the TTFT SLO known): of the
         instances where the estimated TTFT keeps ``slack`` of the limit, the one whose running
-        decodes its chunks slow least (``harm_s``; then the sooner TTFT), so prompts stay off the
-        decode-heavy instances while the prefill side's queue allows; where none keeps it, the
-        cheapest (the prompt's own wait first)."""
+        decodes its chunks slow least (``harm_s``; then a prefill instance, then the sooner TTFT),
+        so prompts stay off the decode-heavy instances while the prefill side's queue allows; where none keeps it, the
+        cheapest (the prompt's own wait first). With the TPOT SLO known (``tpot_slo``), all that
+        among the instances where its chunks push the fewest running decodes past their TPOT limit
+        (``tpot_misses``)."""
         need = blocks_needed(num_prompt_tokens + 1, loads[0].block_size) if loads else 0
         fit = [ld for ld in loads if ld.role == "prefill" or ld.free_blocks >= need]
         if not fit:
             return None
+        if self.config.tpot_slo is not None:  # first: where its chunks push the fewest decodes past TPOT
+            misses = {ld.instance_id: self.tpot_misses(ld, num_prompt_tokens) for ld in fit}
+            least = min(misses.values())
+            fit = [ld for ld in fit if misses[ld.instance_id] == least]
         limit = self.ttft_limit_s(num_prompt_tokens) if self.config.slo_placement else None
         if limit is not None:
             ttft = {ld.instance_id: self.ttft_s(ld, num_prompt_tokens) for ld in fit}
             ok = [ld for ld in fit if ttft[ld.instance_id] <= self.config.slack * limit]
             if ok:
-                return min(ok, key=lambda ld: (self.harm_s(ld, num_prompt_tokens), ttft[ld.instance_id],
-                                               ld.role != "prefill", ld.instance_id))
+                return min(ok, key=lambda ld: (self.harm_s(ld, num_prompt_tokens), ld.role != "prefill",
+                                               ttft[ld.instance_id], ld.instance_id))
         return min(fit, key=lambda ld: (self.cost_s(ld, num_prompt_tokens), ld.role != "prefill", ld.instance_id))
 
     def takes(self, taker: EntryLoad, there: EntryLoad, num_prompt_tokens: int) -> bool:
         """Late binding: whether ``taker`` takes over an unstarted prompt waiting at ``there``
         (``queued_tokens``: only the work ahead of it): where it costs a step less here. With
         ``slo_placement``, a prompt whose chunks would slow more decodes here moves only once its wait
-        there no longer keeps ``slack`` of its limit (``choose``'s rule, kept after arrival)."""
+        there no longer keeps ``slack`` of its limit (``choose``'s rule, kept after arrival). With
+        ``tpot_slo``, never where its chunks push more decodes past TPOT than where it waits."""
         n = num_prompt_tokens
         if self.cost_s(taker, n) + self.config.step_s >= self.cost_s(there, n):
+            return False
+        if self.config.tpot_slo is not None and self.tpot_misses(taker, n) > self.tpot_misses(there, n):
             return False
         limit = self.ttft_limit_s(n) if self.config.slo_placement else None
         if limit is None or self.harm_s(taker, n) <= self.harm_s(there, n):

@@ -1,5 +1,7 @@
 """The SLO as placement reads it (scheduling/placement.py, issue 55): per-role token budgets and
 TTFT-slack placement, on hand-made loads; pure, no torch, no cluster."""
+from dataclasses import replace
+
 import pytest
 
 from scheduling.block_manager import BlockManager
@@ -33,6 +35,20 @@ def test_a_prompt_stays_off_the_decodes_while_the_prefill_side_keeps_its_slack()
     assert slo.ttft_s(loads[0], 200) <= 0.5 * slo.ttft_limit_s(200)
     assert cost.choose(loads, 200).instance_id == "d1"
     assert slo.choose(loads, 200).instance_id == "p0"
+
+
+def test_where_both_slow_no_decode_the_prefill_instance_comes_before_the_sooner_ttft():
+    """An idle decode instance would start the prompt sooner than the prefill instance's short
+    queue, and neither runs a decode: the prompt stays on the prefill side (the decode instance is
+    where that side's requests decode next) while its TTFT keeps the slack, and goes to the
+    decode instance once it does not."""
+    slo = Placement(PlacementConfig(**COSTS, ttft_slo=BALANCED, slo_placement=True))
+    queue, idle = load("p0", "prefill", queued=150), load("d1", "decode")
+    assert slo.ttft_s(idle, 200) < slo.ttft_s(queue, 200) <= 0.5 * slo.ttft_limit_s(200)
+    assert slo.choose([queue, idle], 200).instance_id == "p0"
+    long = load("p0", "prefill", queued=2000)
+    assert slo.ttft_s(long, 200) > 0.5 * slo.ttft_limit_s(200)
+    assert slo.choose([long, idle], 200).instance_id == "d1"
 
 
 def test_past_the_slack_the_cheapest_instance_takes_it():
@@ -70,10 +86,56 @@ def test_prefill_instances_have_their_own_budget():
     assert Placement(PlacementConfig(**COSTS)).budget("prefill") == 256  # None: the one budget
 
 
+TIGHT_TPOT = (0.0, 2.0)  # the tight-TPOT corner: 2 x a batch-1 decode step (0.041 s here)
+
+
+def test_the_tpot_limit_is_the_corner_on_the_placement_costs():
+    assert Placement(PlacementConfig(**COSTS, tpot_slo=TIGHT_TPOT)).tpot_limit_s() == pytest.approx(2 * 0.041)
+    assert Placement(PlacementConfig(**COSTS, tpot_slo=(0.1, 0.0))).tpot_limit_s() == 0.1
+    assert Placement(PlacementConfig(**COSTS)).tpot_limit_s() is None
+
+
+def test_a_prompt_goes_where_its_chunks_push_no_running_decode_past_its_tpot():
+    """A 200-token prompt's chunks add 0.08 s to each decode they run beside. The prefill instance
+    holds a kept decode with 0.05 s of TPOT room left: by TTFT slack alone the prompt goes there
+    (no queue), but that decode would miss, so it goes to the decode instance, whose decodes have
+    room; where every instance would push one past, the fewest, then the rule as before."""
+    ttft = Placement(PlacementConfig(**COSTS, ttft_slo=BALANCED, slo_placement=True))
+    tpot = Placement(PlacementConfig(**COSTS, ttft_slo=BALANCED, slo_placement=True, tpot_slo=TIGHT_TPOT))
+    kept = EntryLoad("p0", "prefill", 0, 1, 1000, 16, tpot_rooms=((0.05, 20),))
+    roomy = EntryLoad("d1", "decode", 0, 3, 1000, 16, tpot_rooms=((0.5, 20),) * 3)
+    assert tpot.tpot_misses(kept, 200) == 1 and tpot.tpot_misses(roomy, 200) == 0
+    assert ttft.choose([kept, roomy], 200).instance_id == "p0"
+    assert tpot.choose([kept, roomy], 200).instance_id == "d1"
+    tight = EntryLoad("d1", "decode", 0, 3, 1000, 16, tpot_rooms=((0.01, 20),) * 3)
+    assert tpot.choose([kept, tight], 200).instance_id == "p0"  # one pushed past against three
+    # a decode with one token left sees one chunk of a long prompt (a share: 255 tokens, 0.102 s),
+    # not all of its 0.8 s
+    ending = EntryLoad("d1", "decode", 0, 1, 1000, 16, tpot_rooms=((0.2, 1),))
+    assert tpot.tpot_misses(ending, 2000) == 0
+    assert tpot.tpot_misses(replace(ending, tpot_rooms=((0.2, 20),)), 2000) == 1
+    # one already pushed past by the prompts queued before it is not this prompt's doing
+    behind = EntryLoad("d1", "decode", 300, 1, 1000, 16, tpot_rooms=((0.1, 20),))
+    assert tpot.tpot_misses(behind, 200) == 0
+    # no decodes with room: nothing to push past, the rule as before
+    assert tpot.tpot_misses(load("d2", "decode", decodes=5), 200) == 0
+
+
+def test_late_binding_never_takes_a_prompt_where_it_would_push_more_decodes_past_tpot():
+    tpot = Placement(PlacementConfig(**COSTS, tpot_slo=TIGHT_TPOT))
+    there = load("p0", "prefill", queued=4000)
+    fragile = EntryLoad("d1", "decode", 0, 2, 1000, 16, tpot_rooms=((0.02, 30), (0.5, 30)))
+    roomy = EntryLoad("d1", "decode", 0, 2, 1000, 16, tpot_rooms=((0.5, 30),) * 2)
+    assert Placement(PlacementConfig(**COSTS)).takes(fragile, there, 200)  # by cost alone it would
+    assert not tpot.takes(fragile, there, 200) and tpot.takes(roomy, there, 200)
+
+
 @pytest.mark.parametrize("bad, match", [(dict(ttft_slo=(1.0, 2.0)), "ttft_slo is"), (dict(ttft_slo=(0, 0, 0)), "ttft_slo is"),
                                         (dict(ttft_slo=(-1.0, 0, 0)), "ttft_slo is"), (dict(slack=0), "slack must be"),
                                         (dict(slack=1.5), "slack must be"), (dict(prefill_token_budget=0), "token_budget"),
-                                        (dict(slo_placement=True), "needs the TTFT SLO")])
+                                        (dict(slo_placement=True), "needs the TTFT SLO"),
+                                        (dict(tpot_slo=(0.0, 0.0)), "tpot_slo is"), (dict(tpot_slo=(1.0,)), "tpot_slo is"),
+                                        (dict(tpot_slo=(0.0, -2.0)), "tpot_slo is")])
 def test_bad_slo_placement_settings_name_the_field(bad, match):
     with pytest.raises(ValueError, match=match):
         PlacementConfig(**bad)

@@ -198,6 +198,35 @@ def test_kv_relief_moves_a_decode_instead_of_preempting_it_and_the_timeline_show
     assert (tmp_path / "plots" / "timeline.png").stat().st_size > 0
 
 
+def test_tpot_placement_sees_each_running_decodes_room(tmp_path, monkeypatch):
+    """At the tight-TPOT corner adaptive placement reads each running decode's TPOT room (a spy
+    on the real placement records the loads it was given): rooms only for decodes, each with the
+    tokens it has left (the predictor off: its ``max_tokens``, the trace's output) and at most its
+    whole limit over its gaps; with --no-tpot-placement none. Every request completes either way."""
+    from scheduling.placement import Placement
+
+    seen = []
+    choose = Placement.choose
+
+    def spy(self, loads, n):
+        seen.append((self.tpot_limit_s(), [ld.tpot_rooms for ld in loads]))
+        return choose(self, loads, n)
+
+    monkeypatch.setattr(Placement, "choose", spy)
+    trace = [{"timestamp": 0.05 * i, "prompt_tokens": 40, "output_tokens": 20} for i in range(8)]
+    flags = ("--mode", "adaptive", "--prefill", "1", "--decode", "1", "--predictor", "none", "--dtype", "fp32",
+             "--slo", "tight-tpot")
+    (on,) = replay_sim(tmp_path, trace, *flags, name="on")["systems"].values()
+    rooms = [(limit, r) for limit, loads in seen for rs in loads for r in rs]
+    assert len(seen) == 8 and rooms and all(limit > 0 for limit, _ in seen)
+    for limit, (room, left) in rooms:
+        assert 0 <= room <= limit * 19 and left == int(left) and 1 <= left <= 19, (room, left)
+    seen.clear()
+    (off,) = replay_sim(tmp_path, trace, *flags, "--no-tpot-placement", name="off")["systems"].values()
+    assert len(seen) == 8 and all(limit is None and not any(loads) for limit, loads in seen)
+    assert on["completed"] == off["completed"] == 8
+
+
 def test_a_replay_refuses_a_profile_measured_at_other_threads(tmp_path, capsys):
     """Issue 58's case from the command line: a profile measured at two threads (``aserve profile
     device``'s default on this machine) and a 1P + 1D replay at one thread each is refused, with

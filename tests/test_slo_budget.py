@@ -114,6 +114,23 @@ def test_slo_placement_and_order_read_the_ttft_limit():
         engine_and_cluster(replay_args("--mode", "adaptive", "--slo-placement", "--slo-slack", "2"), CONTEXT, slo)
 
 
+def test_tpot_placement_reads_the_tpot_limit_wherever_the_slo_has_one():
+    from aserve.cluster.cluster import Cluster
+
+    default = engine_and_cluster(replay_args("--mode", "adaptive"), CONTEXT, corner("tight-tpot"))
+    assert default[1].tpot_slo == (0.0, 2.0)
+    assert Cluster(*default).placement.config.tpot_slo == (0.0, 2.0)  # what the placement prices with
+    assert engine_and_cluster(replay_args("--mode", "adaptive"), CONTEXT, build_slo("tpot=100ms", None))[1].tpot_slo \
+        == (0.1, 0.0)
+    for off in (engine_and_cluster(replay_args("--mode", "adaptive", "--no-tpot-placement"), CONTEXT, corner("balanced"))[1],
+                engine_and_cluster(replay_args("--mode", "adaptive"), CONTEXT, None)[1],
+                engine_and_cluster(replay_args("--mode", "adaptive"), CONTEXT, build_slo("ttft=1", None))[1],
+                engine_and_cluster(replay_args("--mode", "coupled", "--batching", "sarathi"), CONTEXT, corner("balanced"))[1]):
+        assert off.tpot_slo is None
+    with pytest.raises(ValueError, match="--tpot-placement reads each decode's TPOT limit"):
+        engine_and_cluster(replay_args("--mode", "adaptive", "--tpot-placement"), CONTEXT, build_slo("ttft=1", None))
+
+
 def test_bad_budget_flags_are_named():
     with pytest.raises(ValueError, match="--tbt-slo gap sizes a token budget for the SLO in force"):
         engine_and_cluster(replay_args("--mode", "coupled", "--tbt-slo", "gap"), CONTEXT, None)

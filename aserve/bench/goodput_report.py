@@ -45,7 +45,7 @@ def system_json(spec, knee: Knee, devices: int, wall_s: float, estimate_s: Optio
             "config": {"mode": c.mode, "layout": f"{c.num_prefill}P+{c.num_decode}D" if c.split else f"{c.num_coupled}",
                        "batching": e.batching, "chunk_size": c.chunk_size, "token_budget": e.max_num_batched_tokens,
                        "tbt_slo": e.tbt_slo, "prefill_token_budget": c.prefill_token_budget,
-                       "slo_placement": c.slo_placement, "slo_order": c.slo_order,
+                       "slo_placement": c.slo_placement, "slo_order": c.slo_order, "tpot_placement": c.tpot_slo is not None,
                        "predictor": c.predictor, "predictor_options": dict(c.predictor_options),
                        "prefix_caching": e.enable_prefix_caching, "prefix_aware_placement": c.prefix_aware_placement}}
 

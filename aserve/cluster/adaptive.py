@@ -42,7 +42,7 @@ class AdaptivePlacer:
             engine.max_num_batched_tokens, cfg.placement_step_s, cfg.placement_prefill_token_s,
             cfg.placement_decode_row_s, cfg.interference, keep_margin=cfg.keep_margin,
             prefill_token_budget=cfg.prefill_token_budget, ttft_slo=cfg.ttft_slo,
-            slo_placement=cfg.slo_placement, slack=cfg.placement_slack))
+            slo_placement=cfg.slo_placement, slack=cfg.placement_slack, tpot_slo=cfg.tpot_slo))
         # where prompts went (and decodes a rebalance moved)
         self.placements = {"prefill": 0, "decode": 0, "kept": 0, "taken": 0, "moved": 0, "relieved": 0}
         self.moving: dict[str, tuple[str, int, str]] = {}  # request id -> (to, epoch, why: rebalance | relief)
@@ -62,7 +62,29 @@ class AdaptivePlacer:
         """One instance's ``EntryLoad`` (``queued_tokens``: instead of all it has queued)."""
         queued = inst.num_queued_tokens if queued_tokens is None else queued_tokens
         return EntryLoad(inst.id, inst.role, queued, inst.adaptive.num_decoding, inst.blocks.num_free,
-                         inst.blocks.block_size, self._cached(inst, req))
+                         inst.blocks.block_size, self._cached(inst, req), self._tpot_rooms(inst))
+
+    def _tpot_rooms(self, inst: Instance) -> tuple:
+        """With the TPOT SLO known: each of ``inst``'s running decodes still within its TPOT limit,
+        as (seconds of extra step time it can take, tokens left). A decode with ``k`` tokens out, its
+        first ``e`` seconds ago, expecting ``L`` (the served predictor's, ``expected_output``; more than
+        ``k``) keeps ``limit x (L - 1)`` over its gaps; with the ``L - k`` steps left at the instance's
+        decode step as it stands (no prompt), ``limit x (L - 1) - e - (L - k) x step`` remains."""
+        limit = self.placement.tpot_limit_s()
+        if limit is None:
+            return ()
+        c, now = self.placement.config, self.clock.now()
+        step = c.step_s + inst.adaptive.num_decoding * c.decode_row_s
+        rooms = []
+        for r in inst.adaptive.running_decodes():
+            first, k = r.times.get("first_token"), r.num_output_tokens
+            if first is None:
+                continue
+            total = max(expected_output(r), k + 1)
+            room = limit * (total - 1) - (now - first) - (total - k) * step
+            if room >= 0:
+                rooms.append((room, total - k))
+        return tuple(rooms)
 
     def _cached(self, inst: Instance, req: Optional[Request]) -> int:
         """Tokens of ``req``'s prompt cached on ``inst`` (0 unless placement is prefix-aware)."""

@@ -191,6 +191,11 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                                   "decodes (else where it costs least), and late-bind by the same rule "
                                   "(scheduling/placement.py). Default: on wherever the SLO in force has a TTFT limit "
                                   "(serve: always), else off"),
+        ("--tpot-placement", None, "adaptive: place and late-bind each prompt first among the instances where its "
+                                   "chunks push the fewest running decodes past the SLO's TPOT limit, each decode's "
+                                   "room priced from its time so far and its predicted length "
+                                   "(scheduling/placement.py). Default: on wherever the SLO in force has a TPOT limit "
+                                   "(serve: always), else off"),
         ("--slo-order", False, "adaptive: each instance admits waiting prompts by TTFT deadline (arrival + the SLO's "
                                "TTFT limit), those already past theirs after those that can still meet it; requests "
                                "already started (preempted, handed over) first as before (scheduling/hybrid.py)")))

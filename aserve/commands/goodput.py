@@ -41,6 +41,8 @@ def budget_line(spec) -> str:
         line += f", prefill instances {c.prefill_token_budget} (steps <= {c.prefill_tbt_slo * 1000:.0f} ms)"
     if c.mode == "adaptive" and c.slo_placement:
         line += f", placement by TTFT slack {c.placement_slack:g}"
+    if c.mode == "adaptive" and c.tpot_slo is not None:
+        line += ", prompts kept from decodes they would push past TPOT"
     if c.mode == "adaptive" and c.slo_order:
         line += ", prompts by TTFT deadline"
     return line

@@ -16,7 +16,8 @@ time the SLO gives (``--tbt-slo``):
 Adaptive's prefill-role instances get their own budget (``--prefill-tbt-slo``, default ``gap``
 where the engine's is sized for the SLO: TaiChi's prefill-heavy instances). ``--slo-placement``
 and ``--slo-order`` hand the SLO's TTFT limit to placement and to each instance's admission
-(scheduling/placement.py, scheduling/hybrid.py). Commands pass the SLO in force (``serve``: its
+(scheduling/placement.py, scheduling/hybrid.py); ``--tpot-placement`` its TPOT limit to placement
+(prompts kept from where their chunks push running decodes past it). Commands pass the SLO in force (``serve``: its
 ``--slo``, default balanced; ``replay`` and ``bench goodput``: theirs) to ``engine_and_cluster``.
 """
 from __future__ import annotations
@@ -40,6 +41,16 @@ def slo_cluster(a: argparse.Namespace, slo, context: Optional[int], engine, clus
     flags = {"slo_placement": placement, "slo_order": getattr(a, "slo_order", False)}
     if any(flags.values()):
         cluster = replace(cluster, ttft_slo=ttft_terms(slo, flags), placement_slack=a.slo_slack, **flags)
+    tpot = getattr(a, "tpot_placement", None)
+    terms = dict(slo.terms) if slo is not None else {}
+    if tpot is None:  # the default: on wherever the SLO in force has a TPOT limit
+        tpot = "tpot" in terms
+    if tpot:
+        if "tpot" not in terms:
+            raise ValueError("--tpot-placement reads each decode's TPOT limit: give an SLO with one "
+                             "(--slo balanced, or --slo tpot=100ms)")
+        t = terms["tpot"]
+        cluster = replace(cluster, tpot_slo=(t.seconds, 0.0) if not t.relative else (0.0, t.scale + t.floor))
     return cluster
 
 
