@@ -60,9 +60,9 @@ there would spend the prompt's slack (TaiChi's rule); where none keeps the slack
 ``cost`` as above. Late binding keeps the same rule. The prefill instance comes before the sooner
 TTFT where both harm alike (typically: no decode on either yet): the decode instance is where the
 prefill side's requests go next, and a prompt chunked there shares its steps with them. On this
-CPU, where a prompt token costs 8% of a step and a decode row 16%, Azure conversation at the tight-
-TPOT corner went from 2.3-2.8 to 4.3 req/s a device (the split: 3.3) and at balanced from 3.3 to
-4.3 (docs/notes/goodput.md, "Role first").
+CPU, where a prompt token costs 8% of a step and a decode row 16%, it took Azure conversation at
+the tight-TPOT corner from 0.71x the static split to 1.09x (docs/notes/goodput.md, "Role first"
+and "The real CPU rows"); on a V100 (1% and 3%) it cost Mixed tight-TPOT a knee step.
 
 With the TPOT SLO known as well (``tpot_slo``, on wherever the SLO in force has a TPOT limit),
 all of that runs among the instances where the prompt's chunks push the fewest running decodes
