@@ -54,12 +54,15 @@ SLO-driven placement (issue 55; ``slo_placement``, with the TTFT SLO in force as
 a prompt's TTFT limit is a multiple of its unloaded prefill plus decode steps (the corner's rule,
 aserve/replay/slo.py, on these costs); of the instances where its estimated ``ttft`` keeps
 ``slack`` of that limit, it goes to the one whose running decodes its chunks slow least
-(``harm``), then to a prefill instance, then to the sooner TTFT, so prompts stay on the
+(``harm``), then to a prefill instance whose free blocks hold its queue and the prompt, then to
+the sooner TTFT, so prompts stay on the
 prefill-heavy side while its queue allows and spill to the decode-heavy instances only when waiting
 there would spend the prompt's slack (TaiChi's rule); where none keeps the slack, the cheapest by
 ``cost`` as above. Late binding keeps the same rule. The prefill instance comes before the sooner
 TTFT where both harm alike (typically: no decode on either yet): the decode instance is where the
-prefill side's requests go next, and a prompt chunked there shares its steps with them. On this
+prefill side's requests go next, and a prompt chunked there shares its steps with them. Not where
+the prefill instance's pool cannot hold its queue: the queue then waits for blocks its kept decodes
+hold, which ``ttft`` does not price (on V100s, Mixed at tight TPOT, estimates 3-7x short). On this
 CPU, where a prompt token costs 8% of a step and a decode row 16%, it took Azure conversation at
 the tight-TPOT corner from 0.71x the static split to 1.09x (docs/notes/goodput.md, "Role first"
 and "The real CPU rows"); on a V100 (1% and 3%) it cost Mixed tight-TPOT a knee step.
@@ -238,7 +241,8 @@ class Placement:
         """The instance that can hold the prompt's KV now (a prefill instance queues it in any
         case) where it costs least; None if there is none. With ``slo_placement`` (the TTFT SLO known): of the
         instances where the estimated TTFT keeps ``slack`` of the limit, the one whose running
-        decodes its chunks slow least (``harm_s``; then a prefill instance, then the sooner TTFT),
+        decodes its chunks slow least (``harm_s``; then a prefill instance whose blocks hold its
+        queue and the prompt, ``queue_fits``; then the sooner TTFT),
         so prompts stay off the decode-heavy instances while the prefill side's queue allows; where none keeps it, the
         cheapest (the prompt's own wait first). With the TPOT SLO known (``tpot_slo``), all that
         among the instances where its chunks push the fewest running decodes past their TPOT limit
@@ -256,9 +260,15 @@ class Placement:
             ttft = {ld.instance_id: self.ttft_s(ld, num_prompt_tokens) for ld in fit}
             ok = [ld for ld in fit if ttft[ld.instance_id] <= self.config.slack * limit]
             if ok:
-                return min(ok, key=lambda ld: (self.harm_s(ld, num_prompt_tokens), ld.role != "prefill",
+                return min(ok, key=lambda ld: (self.harm_s(ld, num_prompt_tokens),
+                                               not (ld.role == "prefill" and self.queue_fits(ld, num_prompt_tokens)),
                                                ttft[ld.instance_id], ld.instance_id))
         return min(fit, key=lambda ld: (self.cost_s(ld, num_prompt_tokens), ld.role != "prefill", ld.instance_id))
+
+    @staticmethod
+    def queue_fits(load: EntryLoad, num_prompt_tokens: int) -> bool:
+        """Whether the instance's free blocks hold its queued prompts and this one."""
+        return load.free_blocks >= blocks_needed(load.queued_tokens + _uncached(load, num_prompt_tokens), load.block_size)
 
     def takes(self, taker: EntryLoad, there: EntryLoad, num_prompt_tokens: int) -> bool:
         """Late binding: whether ``taker`` takes over an unstarted prompt waiting at ``there``

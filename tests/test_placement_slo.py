@@ -40,8 +40,8 @@ def test_a_prompt_stays_off_the_decodes_while_the_prefill_side_keeps_its_slack()
 def test_where_both_slow_no_decode_the_prefill_instance_comes_before_the_sooner_ttft():
     """An idle decode instance would start the prompt sooner than the prefill instance's short
     queue, and neither runs a decode: the prompt stays on the prefill side (the decode instance is
-    where that side's requests decode next) while its TTFT keeps the slack, and goes to the
-    decode instance once it does not."""
+    where that side's requests decode next) while its TTFT keeps the slack and its queue fits the
+    free blocks, and goes to the decode instance once either does not."""
     slo = Placement(PlacementConfig(**COSTS, ttft_slo=BALANCED, slo_placement=True))
     queue, idle = load("p0", "prefill", queued=150), load("d1", "decode")
     assert slo.ttft_s(idle, 200) < slo.ttft_s(queue, 200) <= 0.5 * slo.ttft_limit_s(200)
@@ -49,6 +49,11 @@ def test_where_both_slow_no_decode_the_prefill_instance_comes_before_the_sooner_
     long = load("p0", "prefill", queued=2000)
     assert slo.ttft_s(long, 200) > 0.5 * slo.ttft_limit_s(200)
     assert slo.choose([long, idle], 200).instance_id == "d1"
+    # a prefill instance whose free blocks do not hold its queue and the prompt (a pool its kept
+    # decodes fill) comes first no more: its queue waits for blocks, which its TTFT does not price
+    full = load("p0", "prefill", queued=150, free=20)
+    assert slo.ttft_s(full, 200) == slo.ttft_s(queue, 200) and not slo.queue_fits(full, 200)
+    assert slo.queue_fits(queue, 200) and slo.choose([full, idle], 200).instance_id == "d1"
 
 
 def test_past_the_slack_the_cheapest_instance_takes_it():
