@@ -65,7 +65,7 @@ the prefill instance's pool cannot hold its queue: the queue then waits for bloc
 hold, which ``ttft`` does not price (on V100s, Mixed at tight TPOT, estimates 3-7x short). On this
 CPU, where a prompt token costs 8% of a step and a decode row 16%, it took Azure conversation at
 the tight-TPOT corner from 0.71x the static split to 1.09x (docs/notes/goodput.md, "Role first"
-and "The real CPU rows"); on a V100 (1% and 3%) it cost Mixed tight-TPOT a knee step.
+and "The real CPU rows"); on a V100 (1% and 3%) the grid's cells moved a knee step either way.
 
 With the TPOT SLO known as well (``tpot_slo``, on wherever the SLO in force has a TPOT limit),
 all of that runs among the instances where the prompt's chunks push the fewest running decodes
