@@ -51,18 +51,22 @@ class AdaptivePlacer:
         self.migrating: set[str] = set()  # ... and those whose copy has begun, until it lands or fails
         self.last_arrival = float("-inf")  # when the last request arrived (the rebalance's quiet time)
 
-    def entry_loads(self, req: Optional[Request] = None) -> list[EntryLoad]:
+    def entry_loads(self, req: Optional[Request] = None, rooms: bool = False) -> list[EntryLoad]:
         """Adaptive: every active instance as the placement sees it (with ``req``: and how much of
-        its prompt each holds cached)."""
-        return [self._entry_load(inst, req) for inst in self.instances.values()
+        its prompt each holds cached; ``rooms``: and its decodes' TPOT rooms, which only placing a
+        prompt reads)."""
+        return [self._entry_load(inst, req, rooms=rooms) for inst in self.instances.values()
                 if inst.state == "active" and inst.adaptive is not None]
 
     def _entry_load(self, inst: Instance, req: Optional[Request] = None,
-                    queued_tokens: Optional[int] = None) -> EntryLoad:
-        """One instance's ``EntryLoad`` (``queued_tokens``: instead of all it has queued)."""
+                    queued_tokens: Optional[int] = None, rooms: bool = False) -> EntryLoad:
+        """One instance's ``EntryLoad`` (``queued_tokens``: instead of all it has queued). The TPOT
+        rooms walk every running decode, so they are read only where asked (``rooms``: placing a
+        prompt); rebalance, relief and the keep decision, which run each step or each prefill,
+        leave them empty."""
         queued = inst.num_queued_tokens if queued_tokens is None else queued_tokens
         return EntryLoad(inst.id, inst.role, queued, inst.adaptive.num_decoding, inst.blocks.num_free,
-                         inst.blocks.block_size, self._cached(inst, req), self._tpot_rooms(inst))
+                         inst.blocks.block_size, self._cached(inst, req), self._tpot_rooms(inst) if rooms else ())
 
     def _tpot_rooms(self, inst: Instance) -> tuple:
         """With the TPOT SLO known: each of ``inst``'s running decodes still within its TPOT limit,
@@ -97,7 +101,7 @@ class AdaptivePlacer:
         limit = self.placement.ttft_limit_s(len(req.prompt_token_ids))
         if limit is not None and req.ttft_deadline is None:  # what --slo-order queues it by, where it lands
             req.ttft_deadline = req.arrival_time + limit
-        chosen = self.placement.choose(self.entry_loads(req), req.num_tokens)
+        chosen = self.placement.choose(self.entry_loads(req, rooms=True), req.num_tokens)
         if chosen is None:
             return False
         self.assign(handle, self.instances[chosen.instance_id])
@@ -125,7 +129,7 @@ class AdaptivePlacer:
                    and _fits(next(o.adaptive.unstarted(), None), free, o.blocks.block_size)
                    for o in self.instances.values()):
             return
-        mine = self._entry_load(taker)
+        mine = self._entry_load(taker, rooms=True)
         for other in self.instances.values():
             if other is taker or other.state != "active" or other.adaptive is None:
                 continue
@@ -135,7 +139,8 @@ class AdaptivePlacer:
                 if mine.free_blocks < need:
                     break
                 if there is None:  # its load, priced with only the work ahead of its unstarted prompts
-                    there = self._entry_load(other, queued_tokens=other.adaptive.num_started_tokens)
+                    there = self._entry_load(other, queued_tokens=other.adaptive.num_started_tokens,
+                                             rooms=True)
                 there_now = replace(there, cached_tokens=self._cached(other, req))
                 here = replace(mine, cached_tokens=self._cached(taker, req))
                 if not self.placement.takes(here, there_now, n):
