@@ -55,10 +55,9 @@ a prompt's TTFT limit is a multiple of its unloaded prefill plus decode steps (t
 aserve/replay/slo.py, on these costs); of the instances where its estimated ``ttft`` keeps
 ``slack`` of that limit, it goes to the one whose running decodes its chunks slow least
 (``harm``), then to a prefill instance whose free blocks hold its queue and the prompt, then to
-the sooner TTFT, so prompts stay on the
-prefill-heavy side while its queue allows and spill to the decode-heavy instances only when waiting
-there would spend the prompt's slack (TaiChi's rule); where none keeps the slack, the cheapest by
-``cost`` as above. Late binding keeps the same rule. The prefill instance comes before the sooner
+the sooner TTFT, so prompts stay on the prefill-heavy side while its queue allows and spill to the
+decode-heavy instances only when waiting there would spend the prompt's slack (TaiChi's rule);
+where none keeps the slack, the cheapest by ``cost`` as above. Late binding keeps the same rule. The prefill instance comes before the sooner
 TTFT where both harm alike (typically: no decode on either yet): the decode instance is where the
 prefill side's requests go next, and a prompt chunked there shares its steps with them. Not where
 the prefill instance's pool cannot hold its queue: the queue then waits for blocks its kept decodes
@@ -242,8 +241,8 @@ class Placement:
         case) where it costs least; None if there is none. With ``slo_placement`` (the TTFT SLO known): of the
         instances where the estimated TTFT keeps ``slack`` of the limit, the one whose running
         decodes its chunks slow least (``harm_s``; then a prefill instance whose blocks hold its
-        queue and the prompt, ``queue_fits``; then the sooner TTFT),
-        so prompts stay off the decode-heavy instances while the prefill side's queue allows; where none keeps it, the
+        queue and the prompt, ``queue_fits``; then the sooner TTFT), so prompts stay off the
+        decode-heavy instances while the prefill side's queue allows; where none keeps it, the
         cheapest (the prompt's own wait first). With the TPOT SLO known (``tpot_slo``), all that
         among the instances where its chunks push the fewest running decodes past their TPOT limit
         (``tpot_misses``)."""

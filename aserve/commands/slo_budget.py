@@ -42,15 +42,10 @@ def slo_cluster(a: argparse.Namespace, slo, context: Optional[int], engine, clus
     if any(flags.values()):
         cluster = replace(cluster, ttft_slo=ttft_terms(slo, flags), placement_slack=a.slo_slack, **flags)
     tpot = getattr(a, "tpot_placement", None)
-    terms = dict(slo.terms) if slo is not None else {}
     if tpot is None:  # the default: on wherever the SLO in force has a TPOT limit
-        tpot = "tpot" in terms
+        tpot = slo is not None and any(k == "tpot" for k, _ in slo.terms)
     if tpot:
-        if "tpot" not in terms:
-            raise ValueError("--tpot-placement reads each decode's TPOT limit: give an SLO with one "
-                             "(--slo balanced, or --slo tpot=100ms)")
-        t = terms["tpot"]
-        cluster = replace(cluster, tpot_slo=(t.seconds, 0.0) if not t.relative else (0.0, t.scale + t.floor))
+        cluster = replace(cluster, tpot_slo=tpot_terms(slo))
     return cluster
 
 
@@ -63,6 +58,16 @@ def ttft_terms(slo, flags: dict) -> tuple:
                          "or --slo ttft=1)")
     t = terms["ttft"]
     return (t.seconds, 0.0, 0.0) if not t.relative else (0.0, t.scale, t.floor)
+
+
+def tpot_terms(slo) -> tuple:
+    """The SLO's TPOT limit as placement reads it: (seconds, c x a batch-1 decode step)."""
+    terms = dict(slo.terms) if slo is not None else {}
+    if "tpot" not in terms:
+        raise ValueError("--tpot-placement reads each decode's TPOT limit: give an SLO with one "
+                         "(--slo balanced, or --slo tpot=100ms)")
+    t = terms["tpot"]
+    return (t.seconds, 0.0) if not t.relative else (0.0, t.scale + t.floor)
 
 
 def tbt_slo_arg(text: str):
