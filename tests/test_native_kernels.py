@@ -3,6 +3,8 @@ against float32 references: paged decode attention (the bf16 fast path, the gene
 scalar paths, fp32 and bf16, ragged contexts, contexts split over threads), the packed bf16
 products (plain, with bias, with a residual add, with SwiGLU) and a whole LLaMA step on every
 kernel path. The fallbacks' tests run on every machine; ours skip where they cannot run."""
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -491,6 +493,23 @@ def test_build_is_named_after_the_instruction_set():
     assert native.isa_key(avx512) == native.isa_key(avx512) and len(native.isa_key(avx512)) == 12
     assert native.isa_key(avx512) != native.isa_key(avx512 + "\n#define __AVX512BF16__ 1")
     assert native.build_name().startswith(f"{native._VERSION}_{native.isa_key(native._native_target())}_")
+
+
+def test_profiles_name_the_kernels_by_their_source_text(tmp_path):
+    """A saved device profile is measured again when the kernels it timed change: it names them
+    by a digest of their sources, so an edit that leaves ``_VERSION`` alone (as the k-chunk
+    products did) still makes the old profile stale."""
+    from aserve.profiles.device_profile import identity
+
+    copies = []
+    for src in native._SOURCES + native._HEADERS:
+        copy = tmp_path / Path(src).name
+        copy.write_bytes(Path(src).read_bytes())
+        copies.append(copy)
+    assert native.sources_digest(copies) == native.sources_digest()
+    copies[0].write_bytes(copies[0].read_bytes() + b"// one more line\n")
+    assert native.sources_digest(copies) != native.sources_digest()
+    assert identity()["kernels_build"] == f"{native._VERSION}+{native.sources_digest()}"
 
 
 @needs_native

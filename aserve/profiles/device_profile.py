@@ -158,11 +158,12 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, device: str, threads: in
 
 def identity() -> dict:
     """What a saved profile must match to be used on this machine as it is: the machine, the
-    measurement's version, and our C++ kernels' sources (``model.native._VERSION``: a step's cost
-    changes with them; widened products made a 16-row decode 1.2x faster)."""
+    measurement's version, and our C++ kernels' sources (``model.native.kernels_build``: their
+    version and a digest of their text; a step's cost changes with them: widened products made a
+    16-row decode 1.2x faster)."""
     from model import native
 
-    return {"machine": machine(), "version": PROFILE_VERSION, "kernels_build": native._VERSION}
+    return {"machine": machine(), "version": PROFILE_VERSION, "kernels_build": native.kernels_build()}
 
 
 def _logits_row_s(runner: ModelRunner, dtype: torch.dtype, reps: int) -> float:
