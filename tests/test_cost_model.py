@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from aserve.profiles.cost_model import CostModel, fit_attention
+from aserve.profiles.cost_model import CostModel, fit_attention, fit_prefill
 from scheduling.step import GREEDY, SeqStep, StepPlan
 
 # 10 ms a step up to 4 rows, then 1 ms a row; 2 ns a prompt pair, 50 ns a decode context token
@@ -77,6 +77,20 @@ def test_files_and_bad_models(tmp_path):
         CostModel((4, 1), (0.1, 0.1), 0.0, 0.0)
     assert fit_attention([(1.0, 2.0), (2.0, 4.0)]) == pytest.approx(2.0)
     assert fit_attention([(1.0, -3.0)]) == 0.0  # noise below the linear part: no negative cost
+
+
+def test_a_prompt_rows_saving_is_fitted_apart_from_the_pairs():
+    """Chunks timed as (rows sampling nothing, pairs, seconds beyond linear): the saving and the
+    pair's price come back where the points hold both, and neither goes below its floor."""
+    saving, per_pair = 5.8e-4, 1.0e-6
+    shapes = ((128, 0), (128, 1024), (512, 0), (512, 1024))
+    points = [(n - 1, CostModel.prefill_pairs(n, s), -saving * (n - 1) + per_pair * CostModel.prefill_pairs(n, s))
+              for n, s in shapes]
+    assert fit_prefill(points, floor=3.9e-4) == pytest.approx((saving, per_pair))
+    # a saving under the LM head's own time is not believed: the floor, and the pairs refitted
+    got_saving, got_pair = fit_prefill([(u, p, e + 5e-4 * u) for u, p, e in points], floor=3.9e-4)
+    assert got_saving == 3.9e-4 and got_pair > 0
+    assert fit_prefill([(127, 8256.0, 0.01)], floor=1e-4)[0] == 1e-4  # one point: the floor, the slope alone
 
 
 def test_profile_cache_is_per_machine(tmp_path):

@@ -8,9 +8,11 @@ derived from, and the one a simulated device runs on.
                   weight reads, the products, norms and the per-step overhead
 
 ``linear`` is timed on decode rows, each of which produces logits; ``logits_row`` is what a row
-that produces none (a prompt row before its chunk's last, padding) takes back: the LM head, a
-fifth of a small model's per-row work (0 in a profile that never measured it: ``aserve profile
-device --from-steps`` fits it on steps timed inside replays, aserve/profiles/calibrate.py).
+that produces none (a prompt row before its chunk's last, padding) takes back: the LM head and
+what else a decode row pays alone (its attention call, its sampler), a quarter of a small model's
+per-row work, fitted on prompt chunks with the pairs' price (``fit_prefill``; 0 in a profile that
+never measured it: ``aserve profile device --from-steps`` fits it on steps timed inside replays,
+aserve/profiles/calibrate.py).
 
 ``linear`` is a table (a batch-1 step is bound by reading the weights, a 2,048-row one by the
 products: no straight line fits both); the two attention terms are per pair and per token of
@@ -222,6 +224,26 @@ def plan_shape(plan) -> tuple[list[tuple[int, int]], list[int], int, int]:
     chunks = [(s.num_tokens, s.start_pos) for s in plan.seqs if s.num_tokens > 1]
     contexts = [s.start_pos + 1 for s in plan.seqs if s.num_tokens == 1]
     return chunks, contexts, plan.num_pad_tokens, sum(s.sampling is not None for s in plan.seqs)
+
+
+def fit_prefill(points: Sequence[tuple[float, float, float]], floor: float = 0.0) -> tuple[float, float]:
+    """(row saving, per pair) from prompt chunks timed as (rows that sample nothing, query-key
+    pairs, seconds beyond ``linear`` of the chunk's rows): the least-squares fit of
+    ``extra = -saving * rows + per_pair * pairs``, neither negative and the saving at least ``floor``
+    (the LM head timed alone). A decode row, which ``linear`` is timed on, pays more than the LM
+    head a prompt row skips (its own attention call and sampler): fitted apart from the pairs,
+    that difference no longer leaks into the pair's price (one slope over both read 743 against
+    ~1,000 ns a pair here and priced chunks from position 0 9-13% long)."""
+    import numpy as np
+
+    a = np.array([[-u, p] for u, p, _ in points], dtype=float)
+    y = np.array([e for _, _, e in points], dtype=float)
+    if len(points) >= 2 and np.linalg.matrix_rank(a) == 2:
+        (saving, per_pair), *_ = np.linalg.lstsq(a, y, rcond=None)
+        if saving >= floor and per_pair >= 0:
+            return float(saving), float(per_pair)
+    # the saving at its floor, the pairs' slope alone over what is left
+    return floor, fit_attention([(p, e + floor * u) for u, p, e in points])
 
 
 def fit_attention(points: Sequence[tuple[float, float]]) -> float:

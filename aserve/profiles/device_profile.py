@@ -5,10 +5,11 @@ instance's torch threads:
 
     linear(T)      T decode rows with one token of context each (attention negligible), T on a grid
     attn_decode    16 decode rows at 256 .. 2,048 tokens of context: time - linear(16), per token read
-    logits_row     the LM head alone on 1 and 64 rows: per row (decode rows each produce logits, a
-                   prompt chunk's rows all but its last do not: ``CostModel`` takes it back)
-    attn_prefill   chunks of 128 and 512 tokens after 0 and 1,024 cached: time - (linear(n) less
-                   the n - 1 rows' logits), per pair
+    attn_prefill   chunks of 128 and 512 tokens after 0 and 1,024 cached: time - linear(n) fitted
+    logits_row     as -saving · (n - 1) + per_pair · pairs (``fit_prefill``): a prompt row that
+                   samples nothing costs less than the decode row ``linear`` timed (the LM head,
+                   its own attention call, its sampler: ``CostModel`` takes the saving back); the
+                   saving is at least the LM head's alone, timed on 1 and 64 rows (kept in meta)
     contention     a 16-row decode step alone, and while a second runner on another thread
                    prefills without pause, alternated three times, the median ratio (only when
                    the machine has the cores for both)
@@ -37,7 +38,7 @@ from typing import Callable, Optional
 import torch
 
 from aserve.profiles import profile_check, rest
-from aserve.profiles.cost_model import CostModel, fit_attention
+from aserve.profiles.cost_model import CostModel, fit_attention, fit_prefill
 from aserve.profiles.machine import cpu_flags, machine
 from aserve.devices.runner import ModelRunner
 from model.kv_cache import KVCache
@@ -50,7 +51,8 @@ PROBE_ROWS = 16  # the probe step (timed in the grid, and again at the end): 16 
 LOGITS_ROWS = (1, 64)
 # what a measured profile holds; a cached one of an older version is measured again.
 # 2 (2026-11-26): the LM head's cost a row (before: 0, and prefill attention fitted on that error)
-PROFILE_VERSION = 2
+# 3 (2026-11-30): a prompt row's saving fitted with the pairs' price (before: the LM head alone)
+PROFILE_VERSION = 3
 DECODE_CONTEXTS = (256, 1024, 2048)
 PREFILL_POINTS = ((128, 0), (128, 1024), (512, 0), (512, 1024))
 CHECKS = (("prefill 256 after 512", lambda m: m.prefill_s(256, 512), "prefill", (256, 512)),
@@ -124,8 +126,8 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, device: str, threads: in
             tick(f"{n} rows")
             linear.append(steps.time(decodes=[1] * n))
         tick("logits")
-        logits_row = _logits_row_s(runner, dtype, reps)
-        partial = CostModel(GRID, tuple(linear), 0.0, 0.0, logits_row_s=logits_row)
+        lm_head_row = _logits_row_s(runner, dtype, reps)
+        partial = CostModel(GRID, tuple(linear), 0.0, 0.0)
         decode_points = []
         for ctx in DECODE_CONTEXTS:
             tick(f"{DECODE_BATCH} decodes at {ctx}")
@@ -134,10 +136,10 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, device: str, threads: in
         prefill_points = []
         for n, start in PREFILL_POINTS:
             tick(f"chunk {n} after {start}")
-            prefill_points.append((CostModel.prefill_pairs(n, start),
-                                   steps.time(chunks=[(n, start)]) - partial.step_s([(n, start)], [])))
-        fitted = CostModel(GRID, tuple(linear), fit_attention(prefill_points), fit_attention(decode_points),
-                           logits_row_s=logits_row)
+            prefill_points.append((n - 1, CostModel.prefill_pairs(n, start),
+                                   steps.time(chunks=[(n, start)]) - partial.linear(n)))
+        logits_row, attn_prefill = fit_prefill(prefill_points, floor=lm_head_row)
+        fitted = CostModel(GRID, tuple(linear), attn_prefill, fit_attention(decode_points), logits_row_s=logits_row)
         tick("contention")
         measured_contention = _contention(model, dtype, device, threads, steps)
         contention, contention_pairs = measured_contention or (None, None)
@@ -149,7 +151,7 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, device: str, threads: in
     seen = {"others_cores_during": rest.others_cores(first, rest.sample()),
             "probe_first_s": linear[GRID.index(PROBE_ROWS)], "probe_last_s": probe_last}
     info = {**(meta or {}), "threads": threads, "cpu_flags": cpu_flags(),
-            "date": date.today().isoformat(), "reps": reps, "checks": checks,
+            "date": date.today().isoformat(), "reps": reps, "checks": checks, "lm_head_row_s": lm_head_row,
             "contention_measured": contention is not None, "contention_pairs": contention_pairs,
             "rest": seen, **identity()}
     return CostModel(GRID, tuple(linear), fitted.attn_prefill_s, fitted.attn_decode_s, contention or 0.0, info,
@@ -364,9 +366,11 @@ def _print(console, cost: CostModel, seconds: float, path, out: Optional[str]) -
     console.print(t)
     pairs = cost.meta.get("contention_pairs")
     spread = f" (median of {', '.join(f'{p:+.0%}' for p in pairs)})" if pairs else ""
+    head = cost.meta.get("lm_head_row_s")
+    lm_head = f" (the LM head alone {head * 1e3:.2f})" if head is not None else ""
     console.print(f"attention: {cost.attn_prefill_s * 1e9:.2f} ns per prompt query-key pair, "
-                  f"{cost.attn_decode_s * 1e9:.1f} ns per decode context token; logits "
-                  f"{cost.logits_row_s * 1e3:.2f} ms a row; contention {cost.contention:+.0%}{spread} beside a busy "
+                  f"{cost.attn_decode_s * 1e9:.1f} ns per decode context token; a prompt row "
+                  f"{cost.logits_row_s * 1e3:.2f} ms less than a decode row{lm_head}; contention {cost.contention:+.0%}{spread} beside a busy "
                   "neighbour", highlight=False)
     checks = Table(title="the fit on steps it was not fitted on")
     for col in ("step", "measured ms", "predicted ms", "error"):
