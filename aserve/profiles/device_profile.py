@@ -45,13 +45,16 @@ from model.kv_cache import KVCache
 from scheduling.block_manager import BlockManager, blocks_needed
 from scheduling.step import GREEDY, SeqStep, StepPlan
 
-GRID = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
+# linear(T) is concave between doublings here (the products' row blocks): on the doublings alone,
+# decode steps of 8, 24, 96, 192 and 384 rows were priced 3-8% long; the midpoints hold them within 1%
+GRID = (1, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 DECODE_BATCH = 16
 PROBE_ROWS = 16  # the probe step (timed in the grid, and again at the end): 16 rows of one token of context
 LOGITS_ROWS = (1, 64)
 # what a measured profile holds; a cached one of an older version is measured again.
 # 2 (2026-11-26): the LM head's cost a row (before: 0, and prefill attention fitted on that error)
-# 3 (2026-11-30): a prompt row's saving fitted with the pairs' price (before: the LM head alone)
+# 3 (2026-11-30): a prompt row's saving fitted with the pairs' price (before: the LM head alone);
+#   the grid's midpoints between doublings
 PROFILE_VERSION = 3
 DECODE_CONTEXTS = (256, 1024, 2048)
 PREFILL_POINTS = ((128, 0), (128, 1024), (512, 0), (512, 1024))
@@ -136,7 +139,7 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, device: str, threads: in
         prefill_points = []
         for n, start in PREFILL_POINTS:
             tick(f"chunk {n} after {start}")
-            prefill_points.append((n - 1, CostModel.prefill_pairs(n, start),
+            prefill_points.append((n, CostModel.prefill_pairs(n, start),  # a chunk mid-prompt: no row samples
                                    steps.time(chunks=[(n, start)]) - partial.linear(n)))
         logits_row, attn_prefill = fit_prefill(prefill_points, floor=lm_head_row)
         fitted = CostModel(GRID, tuple(linear), attn_prefill, fit_attention(decode_points), logits_row_s=logits_row)
