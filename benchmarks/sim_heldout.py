@@ -3,7 +3,8 @@
 
     aserve profile device --threads 1 --out P.json              # once, on a machine at rest
     benchmarks/sim_heldout.py run OUT --profile P.json [--workloads Mixed,Azure] [--rate-from sarathi]
-    benchmarks/sim_heldout.py table OUT [--knees GP_DIR ...] [--json results/simulator_heldout.json]
+    benchmarks/sim_heldout.py run OUT2 --profile P.json          # optional: the same real runs again
+    benchmarks/sim_heldout.py table OUT [--repeat OUT2] [--knees GP_DIR ...] [--json results/simulator_error.json]
 
 ``run``, per workload (the goodput rows' shrunk traces: the first 32 requests, lengths x0.1, two
 instances of one thread each, 0.5 GiB of KV an instance, the balanced corner):
@@ -26,7 +27,9 @@ the real run ran: the steps' speed against the frozen profile (the median measur
 time of its decode-only steps, and the range of that over 30 s windows) and the CPU time stolen
 by the hypervisor. That speed bounds the machine's drift from the profile's minutes together with
 the profile's own error on decode steps (its held-out checks, printed at the top). ``--knees``
-adds each goodput search's (benchmarks/goodput_cpu.sh) real knee beside its simulated twin's.
+adds each goodput search's (benchmarks/goodput_cpu.sh) real knee beside its simulated twin's;
+``--repeat`` each real figure's difference from a second real run of the same command (the
+machine's own spread, beside the simulator's error).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import hashlib
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -171,19 +175,27 @@ def predict(out: Path, w: str, sim: str, names, rate_from: str, profile_name: st
 
 def step_speed(profile, steps_path: Path, system: str) -> dict:
     """The decode-only steps' median measured / predicted against the frozen profile, whole run and
-    per WINDOW_S (the lowest and highest window with at least 10 such steps)."""
+    per WINDOW_S (the lowest and highest window with at least 10 such steps), and the prompt
+    steps' (chunks, alone or with decodes) median over the whole run."""
     from aserve.engine.step_log import read_steps
     from aserve.profiles.calibrate import speed, usable
 
-    decodes = [s for s in usable(read_steps([steps_path], systems={system})) if s.kind == "decode"]
+    from aserve.profiles.calibrate import predict
+
+    steps = usable(read_steps([steps_path], systems={system}))
+    decodes = [s for s in steps if s.kind == "decode"]
+    # prompt steps are bound by the cores' arithmetic, decode steps by memory: a VM's compute can
+    # slow while its memory reads do not, so each kind's speed is read apart
+    prompts = [s.seconds / predict(profile, s) for s in steps if s.kind != "decode"]
+    prompt = statistics.median(prompts) if prompts else None
     if not decodes:
-        return {"speed": None, "lo": None, "hi": None, "steps": 0}
+        return {"speed": None, "lo": None, "hi": None, "steps": 0, "prompt_speed": prompt}
     windows: dict[int, list] = {}
     for s in decodes:
         windows.setdefault(int(s.t // WINDOW_S), []).append(s)
     meds = [speed(profile, v, on="decode") for v in windows.values() if len(v) >= 10]
     return {"speed": speed(profile, decodes, on="decode"), "lo": min(meds) if meds else None,
-            "hi": max(meds) if meds else None, "steps": len(decodes)}
+            "hi": max(meds) if meds else None, "steps": len(decodes), "prompt_speed": prompt}
 
 
 def rows_of(out: Path, w: str, profile) -> list[dict]:
@@ -205,6 +217,18 @@ def rows_of(out: Path, w: str, profile) -> list[dict]:
                      "attainment": [real[name].get("slo_attainment"), sim[name].get("slo_attainment")],
                      "step_speed": speed, "steal": meta["steal_fraction"]})
     return rows
+
+
+def add_repeat(rows: list[dict], again: Path) -> None:
+    """Each cell's ``repeat``: a second real run of the same command (the same rate, settings and
+    profile, run after the first) against the first, as the simulated one is: the machine's own
+    spread on that figure, which no prediction can be held to beat."""
+    for r in rows:
+        second = json.loads((again / f"{r['workload']}_real.json").read_text())["systems"].get(r["system"])
+        for (label, key, stat, _), c in zip(METRICS, r["cells"]):
+            b = latency(second, key, stat) if second else None
+            err = pct_diff(c["real"], b) if b is not None else None
+            c["repeat"], c["real_again"] = (None if err is None else err / 100), b
 
 
 def knees_of(gp_dir: Path) -> list[dict]:
@@ -245,6 +269,8 @@ def table(a) -> int:
         meta = json.loads((out / f"{w}_meta.json").read_text())
         shas.add(meta["profile_sha256"])
         rows += rows_of(out, w, profile)
+    if a.repeat:
+        add_repeat(rows, Path(a.repeat))
     if len(shas) > 1:
         print("warning: the workloads were predicted from different profiles")
     checks = profile.meta.get("checks", [])
@@ -252,7 +278,7 @@ def table(a) -> int:
           f"{profile.meta.get('threads')} thread), its held-out checks: "
           + ", ".join(f"{c['step']} {c['error']:+.1%}" for c in checks))
     head = " | ".join(f"{m[0]} real / sim (err)" for m in METRICS)
-    print(f"\n| workload | system | req/s | {head} | within SLOs real / sim | decode steps / profile (30 s windows) "
+    print(f"\n| workload | system | req/s | {head} | within SLOs real / sim | decode steps / profile (30 s windows) / prompt steps "
           f"| steal |")
     print("|---|---|---:|" + "---|" * (len(METRICS) + 3))
     over = total = 0
@@ -266,10 +292,19 @@ def table(a) -> int:
         sp = r["step_speed"]
         speed = "n/a" if sp["speed"] is None else (f"{sp['speed']:.2f}" + (
             f" ({sp['lo']:.2f}-{sp['hi']:.2f})" if sp["lo"] is not None else ""))
+        speed += " / " + ("n/a" if sp.get("prompt_speed") is None else f"{sp['prompt_speed']:.2f}")
         ra, sa = r["attainment"]
+        if "repeat" in r["cells"][0]:
+            cells = [f"{x} [again {'n/a' if c['repeat'] is None else format(c['repeat'], '+.0%')}]"
+                     for x, c in zip(cells, r["cells"])]
         print(f"| {r['workload']} | {r['system']} | {r['rate']:.3g} | " + " | ".join(cells)
               + f" | {ra:.0%} / {sa:.0%} | {speed} | {r['steal']:.1%} |")
     print(f"\n{over} of {total} cells over their limit (means 10%, P99 20%).")
+    if a.repeat:
+        again = [c for r in rows for c in r["cells"]]
+        print(f"The same real runs drawn again ({a.repeat}, [again]: the second real run against the first): "
+              f"{sum(c['repeat'] is None or abs(c['repeat']) > c['limit'] for c in again)} of {len(again)} "
+              "cells differ by more than the limit.")
     knees = []
     for d in a.knees:
         knees += knees_of(Path(d))
@@ -282,21 +317,28 @@ def table(a) -> int:
         kover = sum(abs(k["error"]) > 0.10 for k in knees)
         print(f"\n{kover} of {len(knees)} knees off by more than 10%.")
     if a.json:
-        write_results(Path(a.json), out, profile, profile_path, workloads, rows, knees, over, total, a.caveat)
+        write_results(Path(a.json), out, profile, profile_path, workloads, rows, knees, over, total, a.caveat, a.source, a.label)
     return 0
 
 
 def write_results(path: Path, out: Path, profile, profile_path: Path, workloads: list, rows: list, knees: list,
-                  over: int, total: int, caveats: list) -> None:
+                  over: int, total: int, caveats: list, source: str, label: str = "") -> None:
     """The results page's file (scripts/results_page.py, kind ``simulator``): this run's rows and
     knees, and the earlier validations' counts carried over from the file it replaces."""
     metas = [json.loads((out / f"{w}_meta.json").read_text()) for w in workloads]
-    before = json.loads(path.read_text())["data"] if path.exists() else {}
+    whole = json.loads(path.read_text()) if path.exists() else {"meta": {}, "data": {}}
+    before = whole["data"]
     history = [dict(v) for v in before.get("validations", [])]
     for v in history:  # the file being replaced counted one validation from its own table: keep the count
         if "over" not in v and v.get("cells_from") == "cells":
             v["over"], v["of"] = _old_table_count(before)
             del v["cells_from"]
+    if before.get("label") and "over" in before and not any(v["label"] == before["label"] for v in history):
+        # the held-out validation this file replaces becomes one of the earlier ones
+        history.append({"label": before["label"], "date": whole["meta"].get("date", ""),
+                        "commit": whole["meta"].get("commit", ""), "fitted_on": None, "frozen": True,
+                        "over": before["over"], "of": before["cells"],
+                        "what": f"{before['profile']['what']}, {whole['meta'].get('machine', '').split(',')[0]}"})
     pm = profile.meta
     when = time.strftime("%Y-%m-%d", time.gmtime(min(m.get("predicted_at", 0) for m in metas)))
     doc = {"meta": {
@@ -307,14 +349,15 @@ def write_results(path: Path, out: Path, profile, profile_path: Path, workloads:
         "commit": ", ".join(sorted({m["commit"] for m in metas})), "date": when,
         "command": "aserve profile device --threads 1 --out P.json   # once, at rest\n"
                    "benchmarks/sim_heldout.py run OUT --profile P.json   # per workload: predict, then run\n"
-                   "benchmarks/sim_heldout.py table OUT --knees GP --json results/simulator_error.json   "
+                   "benchmarks/sim_heldout.py run OUT2 --profile P.json   # the same real runs again\n"
+                   "benchmarks/sim_heldout.py table OUT --repeat OUT2 --knees GP --json results/simulator_error.json   "
                    "--caveat '...'   # GP: benchmarks/goodput_cpu.sh's folder, its twin on the same profile",
         "wall_time": f"{sum(m['real_wall_s'] for m in metas) / 60:.0f} min of real runs, nothing else running",
         "notes": "docs/notes/simulator.md",
-        "source": "The frozen profile on held-out runs (issue 58), 2026-11-29"},
+        "source": source},
         "data": {"limits_pct": {"mean": 10, "p99": 20}, "drift_limit": 0.03, "systems": list(SYSTEMS),
                  "tuned_on": [w for w in WORKLOADS if w != "AzureCode"],
-                 "label": f"{when} frozen profile, held out",
+                 "label": label or f"{when} frozen profile, held out",
                  "profile": {"file": profile_path.name, "sha256": metas[0]["profile_sha256"],
                              "what": f"{pm.get('date')}, {pm.get('threads')} thread, at rest",
                              "checks": pm.get("checks", [])},
@@ -350,6 +393,11 @@ def main(argv=None) -> int:
     t.add_argument("--knees", action="append", default=[], help="a benchmarks/goodput_cpu.sh folder (repeatable)")
     t.add_argument("--json", default=None, help="write the results page's file here (kind simulator), keeping the "
                    "earlier validations' counts of the file it replaces")
+    t.add_argument("--repeat", default=None, help="a second 'run' folder of the same runs (the same profile): each "
+                   "cell's real-against-real difference beside its error")
+    t.add_argument("--source", default="The frozen profile on held-out runs, this Xeon (issue 58), 2026-11-30",
+                   help="the notes section the results page links to")
+    t.add_argument("--label", default="", help="this validation's name in the page's plot (default: its date)")
     t.add_argument("--caveat", action="append", default=[], help="a sentence the page prints after the reading")
     a = ap.parse_args(argv)
     return run(a) if a.cmd == "run" else table(a)

@@ -336,15 +336,23 @@ def render_simulator(d: dict, plot: Callable):
     rows = []
     for w, by in runs.items():
         speeds = [r["step_speed"]["speed"] for r in by.values() if r["step_speed"]["speed"] is not None]
+        prompts = [r["step_speed"].get("prompt_speed") for r in by.values()
+                   if r["step_speed"].get("prompt_speed") is not None]
         steal = max(r["steal"] or 0.0 for r in by.values())
         rows.append([w + ("" if w in d["tuned_on"] else " (held out)"), fmt(next(iter(by.values()))["rate"])]
                     + [cell(by[n]) if n in by else "-" for n in systems]
-                    + [f"{span(speeds)} / {steal * 100:.1f}%"])
-    t = table(["workload", "req/s"] + list(systems) + ["steps / profile; steal"], rows)
+                    + [f"{span(speeds)}" + (f" / {span(prompts)}" if prompts else "") + f"; {steal * 100:.1f}%"])
+    by_kind = any("prompt_speed" in r["step_speed"] for r in d["rows"])
+    t = table(["workload", "req/s"] + list(systems)
+              + ["decode / prompt steps over profile; steal" if by_kind else "steps / profile; steal"], rows)
     cells = [(r, c) for r in d["rows"] for c in r["cells"]]
     bad = [(r, c) for r, c in cells if over(c)]
-    calm = [(r, c) for r, c in cells if r["step_speed"]["speed"] is not None
-            and abs(r["step_speed"]["speed"] - 1.0) < d["drift_limit"]]
+
+    def steady(sp: dict) -> bool:  # every kind of step the run timed within the drift limit of its price
+        return all(x is not None and abs(x - 1.0) < d["drift_limit"]
+                   for x in (sp["speed"], sp.get("prompt_speed", 1.0)))
+
+    calm = [(r, c) for r, c in cells if steady(r["step_speed"])]
     vals = d["validations"] + [dict(label=d["label"], fitted_on=None, over=len(bad), of=len(cells))]
 
     def held_out(v) -> bool:  # nothing from the compared run fed the simulation
@@ -370,21 +378,39 @@ def render_simulator(d: dict, plot: Callable):
                f"{lim['mean']}% on a mean, {lim['p99']}% on the P99), then the requests within the SLOs, real / "
                f"simulated. The traces are the CPU goodput rows' (the first {fit['--num-requests']} requests, lengths "
                f"x{fit['--length-scale']}, two instances of one thread), so a P99 is about one request's largest gap and one placement decides it. "
-               f"**{len(bad)} of {len(cells)} cells are over**; in runs whose decode steps ran within "
+               f"**{len(bad)} of {len(cells)} cells are over**; in runs whose "
+               f"{'decode and prompt steps both' if by_kind else 'decode steps'} ran within "
                f"{d['drift_limit'] * 100:.0f}% of the profile's price, "
                f"{sum(over(c) for _, c in calm)} of {len(calm)}. The last column is what the machine did meanwhile: "
-               f"each system's decode-only steps, measured over the profile's price (the median; it holds the "
-               f"profile's own decode error, so it bounds the machine's drift), and the CPU time the hypervisor stole. "
+               f"each system's decode-only steps{' and its prompt steps' if by_kind else ''}, measured over the "
+               f"profile's price (the medians over the systems' range; they hold the profile's own error, so they "
+               f"bound the machine's drift), and the CPU time the hypervisor stole. "
                f"The largest misses: " + ", ".join(f"{r['workload']} {r['system']} {c['metric']} "
                                                   f"{c['error'] * 100:+.0f}%" for r, c in worst) + ". ")
+    again = [(r, c) for r, c in cells if "repeat" in c]
+    if again:
+        moved = [(r, c) for r, c in again if c["repeat"] is None or abs(c["repeat"]) > c["limit"]]
+        wide = sorted(moved, key=lambda rc: -abs(rc[1]["repeat"] or 9))[:3]
+        reading += (f"The same real runs drawn a second time, right after the first (the same commands): real against "
+                    f"real, **{len(moved)} of {len(again)} cells differ by more than the limits** (the widest: "
+                    + ", ".join(f"{r['workload']} {r['system']} {c['metric']} {c['repeat'] * 100:+.0f}%"
+                                for r, c in wide) + "); the simulator misses a cell its own second draw keeps in "
+                    f"{sum(over(c) and c['repeat'] is not None and abs(c['repeat']) <= c['limit'] for _, c in again)}. ")
     if d["knees"]:
         ks = d["knees"]
         inside = [k for k in ks if k["bracket"][0] <= k["sim"] <= k["bracket"][1] * 1.0001]
-        reading += (f"Goodput knees (benchmarks/goodput_cpu.sh, the twin on the same profile): the simulated knee is "
-                    f"{span([k['sim'] / k['real'] for k in ks])}x the real one over {len(ks)} searches ("
-                    + ", ".join(f"{k['workload']} {k['system']} {k['sim'] / k['real']:.2f}x" for k in ks)
+        corners = len({k.get("corner") for k in ks}) > 1
+        reading += (f"Goodput knees (benchmarks/goodput_cpu.sh and its simulated twin): the simulated knee is "
+                    f"{span([k['sim'] / k['real'] for k in ks])}x the real one over {len(ks)} searches, within 10% "
+                    f"in {sum(abs(k['sim'] / k['real'] - 1) <= 0.10 for k in ks)} ("
+                    + ", ".join(f"{k['workload']}{' ' + k['corner'] if corners else ''} {k['system']} "
+                                f"{k['sim'] / k['real']:.2f}x" for k in ks)
                     + f"), inside the real search's bracket in {len(inside)} of {len(ks)}. ")
-    alone = [v for v in d["validations"] if v["fitted_on"] is None]
+    frozen = [v for v in d["validations"] if v.get("frozen")]
+    if frozen:
+        reading += ("Earlier frozen profiles, held out the same way: " + ", ".join(
+            f"{v['label']} ({v['what']}) {v['over']} of {v['of']}" for v in frozen) + ". ")
+    alone = [v for v in d["validations"] if v["fitted_on"] is None and not v.get("frozen")]
     fitted = [v for v in d["validations"] if not held_out(v)]
     reading += ("Before this (the plot's other bars): the profile alone, measured beside other work or without the "
                 "LM head, left " + ", ".join(f"{v['over']} of {v['of']}" for v in alone) + " cells over; a speed "
