@@ -6,10 +6,11 @@ instance's torch threads:
     linear(T)      T decode rows with one token of context each (attention negligible), T on a grid
     attn_decode    16 decode rows at 256 .. 2,048 tokens of context: time - linear(16), per token read
     attn_prefill   chunks of 128 and 512 tokens after 0 and 1,024 cached: time - linear(n) fitted
-    logits_row     as -saving · (n - 1) + per_pair · pairs (``fit_prefill``): a prompt row that
-                   samples nothing costs less than the decode row ``linear`` timed (the LM head,
-                   its own attention call, its sampler: ``CostModel`` takes the saving back); the
-                   saving is at least the LM head's alone, timed on 1 and 64 rows (kept in meta)
+    logits_row     as -saving · n + per_pair · pairs (``fit_prefill``; a chunk mid-prompt samples
+                   no row): a prompt row that samples nothing costs less than the decode row
+                   ``linear`` timed (the LM head, its own attention call, its sampler: ``CostModel``
+                   takes the saving back); the saving is at least the LM head's alone, timed on 1
+                   and 64 rows (kept in meta)
     contention     a 16-row decode step alone, and while a second runner on another thread
                    prefills without pause, alternated three times, the median ratio (only when
                    the machine has the cores for both)
@@ -46,7 +47,8 @@ from scheduling.block_manager import BlockManager, blocks_needed
 from scheduling.step import GREEDY, SeqStep, StepPlan
 
 # linear(T) is concave between doublings here (the products' row blocks): on the doublings alone,
-# decode steps of 8, 24, 96, 192 and 384 rows were priced 3-8% long; the midpoints hold them within 1%
+# decode steps of 8, 24, 96, 192, 384 and 768 rows were priced 3-8% long by interpolation; the
+# midpoints are now timed, not interpolated
 GRID = (1, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 DECODE_BATCH = 16
 PROBE_ROWS = 16  # the probe step (timed in the grid, and again at the end): 16 rows of one token of context
