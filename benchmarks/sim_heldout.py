@@ -38,7 +38,6 @@ import hashlib
 import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -180,14 +179,9 @@ def step_speed(profile, steps_path: Path, system: str) -> dict:
     from aserve.engine.step_log import read_steps
     from aserve.profiles.calibrate import speed, usable
 
-    from aserve.profiles.calibrate import predict
-
     steps = usable(read_steps([steps_path], systems={system}))
     decodes = [s for s in steps if s.kind == "decode"]
-    # prompt steps are bound by the cores' arithmetic, decode steps by memory: a VM's compute can
-    # slow while its memory reads do not, so each kind's speed is read apart
-    prompts = [s.seconds / predict(profile, s) for s in steps if s.kind != "decode"]
-    prompt = statistics.median(prompts) if prompts else None
+    prompt = speed(profile, steps, on="prompt") if len(decodes) < len(steps) else None
     if not decodes:
         return {"speed": None, "lo": None, "hi": None, "steps": 0, "prompt_speed": prompt}
     windows: dict[int, list] = {}

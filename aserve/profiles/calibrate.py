@@ -74,7 +74,7 @@ def usable(steps: Sequence[LoggedStep]) -> list[LoggedStep]:
     return [s for s in steps if s.rows > 0 and s.seconds > 0 and not s.swapped]
 
 
-SPEED_ON = ("all", "decode")
+SPEED_ON = ("all", "decode", "prompt")
 
 
 def speed(base: CostModel, steps: Sequence[LoggedStep], on: str = "all") -> float:
@@ -85,7 +85,9 @@ def speed(base: CostModel, steps: Sequence[LoggedStep], on: str = "all") -> floa
     decode-only steps (every policy runs them, so the policy's mix of prompt work does not weigh
     in; it validated worse: 18 of 78 cells over against 6, docs/notes/simulator.md). A shared VM
     drifts by tens of percent over hours, so a profile measured at one time describes another run
-    only at that run's speed."""
+    only at that run's speed. ``on="prompt"``: the same median over the steps with a prompt chunk
+    (bound by the cores' arithmetic where decode steps are bound by memory: a VM's compute can
+    slow while its memory reads do not, so a validation reads the two apart)."""
     if on not in SPEED_ON:
         raise ValueError(f"bad speed statistic {on!r}: choose one of {', '.join(SPEED_ON)}")
     if on == "all":
@@ -93,11 +95,11 @@ def speed(base: CostModel, steps: Sequence[LoggedStep], on: str = "all") -> floa
         if not mine:
             raise ValueError("no usable step in the logs to read the speed off")
         return sum(s.seconds for s in mine) / sum(predict(base, s) for s in mine)
-    decodes = [s for s in usable(steps) if s.kind == "decode"]
-    if not decodes:
-        raise ValueError("no usable decode-only step in the logs: the speed is read off decode-only steps "
-                         "(--speed-on all reads it off every step)")
-    return statistics.median(s.seconds / predict(base, s) for s in decodes)
+    mine = [s for s in usable(steps) if (s.kind == "decode") == (on == "decode")]
+    if not mine:
+        raise ValueError(f"no usable {'decode-only' if on == 'decode' else 'prompt'} step in the logs: the speed "
+                         f"is read off those steps (--speed-on all reads it off every step)")
+    return statistics.median(s.seconds / predict(base, s) for s in mine)
 
 
 def speed_trace(model: CostModel, steps: Sequence[LoggedStep], window_s: float,
