@@ -154,8 +154,8 @@ class ClusterConfig:
     prefill_tbt_slo: Optional[float] = None
     # adaptive: the TTFT SLO in force as (seconds, a, b): limit = seconds + a x prefill + b x step, which
     # slo_placement places by (a prompt goes where its TTFT keeps placement_slack of the limit with the
-    # least harm; scheduling/placement.py) and slo_order queues by (each instance admits prompts by TTFT
-    # deadline, those past it last; scheduling/hybrid.py)
+    # least harm; scheduling/placement.py) and slo_order queues by (each instance admits prompts and gives
+    # each step's prompt rows by TTFT deadline, those past it last; scheduling/hybrid.py)
     ttft_slo: Optional[tuple] = None
     slo_placement: bool = False
     slo_order: bool = False

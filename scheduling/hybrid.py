@@ -21,7 +21,10 @@ the one ``aserve profile token-budget`` (or the measured cost model) finds for t
 a decode never waits for a whole prompt. Admission and preemption are the decode scheduler's:
 greedy, preempting the newest running request (a prompt mid-way is recomputed from its start).
 With ``deadline_order`` (``--slo-order``) waiting prompts are admitted by TTFT deadline instead
-of arrival (``_next_waiting``).
+of arrival (``_next_waiting``), and each step's prompt rows go to the admitted prompts in the same
+order (``_in_deadline_order``): earliest deadline first at a chunk's granularity, so a prompt that
+arrives behind a long one runs its chunks first where its deadline is sooner (the long one's KV
+so far stays; it resumes next step).
 """
 from __future__ import annotations
 
@@ -45,8 +48,9 @@ class HybridConfig:
     # None: off. N: a step's fixed time in prompt rows (step_s / prefill_token_s); admitted prompts
     # that end within the budget the decodes and N rows leave run first, in a step of their own
     prompt_first_rows: Optional[int] = None
-    # admit waiting prompts by TTFT deadline (Request.ttft_deadline), those past it after the rest;
-    # requests that have begun (preempted, handed over, migrated) first, in queue order, as before
+    # admit waiting prompts, and give each step's prompt rows to admitted ones, by TTFT deadline
+    # (Request.ttft_deadline), those past it after the rest; requests that have begun (preempted,
+    # handed over, migrated) and decodes first, in queue order, as before
     deadline_order: bool = False
 
     def __post_init__(self):
@@ -130,15 +134,7 @@ class HybridScheduler(DecodeScheduler):
         if not self.hybrid.deadline_order:
             return self._waiting[0]
         now = self.clock.now()
-
-        def rank(item):
-            i, r = item
-            if r.output_token_ids or r.ttft_deadline is None:
-                return (0, 0.0, i)
-            late = r.ttft_deadline < now
-            return (2, 0.0, i) if late else (1, r.ttft_deadline, i)
-
-        return min(enumerate(self._waiting), key=rank)[1]
+        return min(enumerate(self._waiting), key=lambda item: _deadline_rank(*item, now))[1]
 
     def _rows(self) -> tuple:
         """Decodes one row each; prompt chunks share what the budget leaves, in admission order.
@@ -155,8 +151,9 @@ class HybridScheduler(DecodeScheduler):
         whole = self.hybrid.whole_prompts_when_idle and decodes == 0
         left = max(self.hybrid.token_budget - decodes, self.hybrid.min_chunk)
         debt, self._debt = self._debt, 0
+        running = self._in_deadline_order() if self.hybrid.deadline_order else self._running
         if decodes and not debt and self.hybrid.prompt_first_rows is not None:
-            first = self._prompt_first(self.hybrid.token_budget - decodes - self.hybrid.prompt_first_rows)
+            first = self._prompt_first(self.hybrid.token_budget - decodes - self.hybrid.prompt_first_rows, running)
             if first:
                 self._debt = sum(_left(r) for r in first) + self.hybrid.prompt_first_rows
                 self.num_prompt_first_steps += 1
@@ -164,7 +161,7 @@ class HybridScheduler(DecodeScheduler):
         if debt and not whole:
             left = max(0, self.hybrid.token_budget - decodes - debt)
         rows = []
-        for r in self._running:
+        for r in running:
             n = _left(r)
             if whole:  # every running request is a prompt here: whole, while they fit
                 if rows and n > left:
@@ -178,10 +175,18 @@ class HybridScheduler(DecodeScheduler):
             rows.append(self._row(r, n))
         return tuple(rows)
 
-    def _prompt_first(self, room: int) -> list[Request]:
-        """The admitted prompts, in admission order, that end within ``room`` rows together."""
+    def _in_deadline_order(self) -> list[Request]:
+        """The running requests with their prompts by TTFT deadline (EDF at chunk granularity):
+        decodes and re-runs first, then prompts still before their deadline, earliest first, then
+        those past it, in admission order."""
+        now = self.clock.now()
+        return [r for _, r in sorted(enumerate(self._running), key=lambda item: _deadline_rank(*item, now))]
+
+    def _prompt_first(self, room: int, running: list[Request]) -> list[Request]:
+        """The admitted prompts, in the step's order (``running``: admission order, or by deadline),
+        that end within ``room`` rows together."""
         first = []
-        for r in self._running:
+        for r in running:
             n = _left(r)
             if n > 1:
                 if n > room:
@@ -305,3 +310,13 @@ def _prompt_tokens(requests) -> int:
 def _left(request: Request) -> int:
     """Tokens the request must compute to sample its next token."""
     return request.num_tokens - request.num_computed_tokens
+
+
+def _deadline_rank(i: int, request: Request, now: float) -> tuple:
+    """Where ``request`` (``i``-th in its queue) goes in deadline order: requests that have begun
+    (preempted, handed over, migrated), decodes and prompts with no deadline known first, in queue
+    order; then prompts still before their TTFT deadline, earliest first; then those past it (they
+    miss it however soon they run: the ones that can still meet theirs go first), in queue order."""
+    if _left(request) <= 1 or request.output_token_ids or request.ttft_deadline is None:
+        return (0, 0.0, i)
+    return (2, 0.0, i) if request.ttft_deadline < now else (1, request.ttft_deadline, i)

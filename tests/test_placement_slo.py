@@ -203,3 +203,31 @@ def test_deadline_order_admits_the_earliest_within_the_blocks():
     s.add_request(big)
     s.schedule()
     assert s.running_ids == ["big"] and s.waiting_ids == ["small"]  # earliest deadline first, though second
+
+
+@pytest.mark.parametrize("edf", [False, True])
+def test_deadline_order_gives_prompt_rows_by_deadline_a_chunk_at_a_time(edf):
+    """With --slo-order, a prompt admitted behind a long one takes the step's prompt rows first where
+    its TTFT deadline is sooner; the long one resumes after it from where it was (its KV kept), and
+    one past its deadline goes last. Without it, admission order, as before."""
+    from scheduling.clock import FakeClock
+
+    def req(rid, n, deadline):
+        r = Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=4, ignore_eos=True), arrival_time=0.0)
+        r.ttft_deadline = deadline
+        return r
+
+    clock = FakeClock(1.0)
+    s = HybridScheduler(BlockManager(400, 16), DecodeConfig(), HybridConfig(token_budget=64, deadline_order=edf), clock)
+    s.add_request(req("d", 10, None))
+    s.update(plan := s.schedule(), _sampled(plan))  # one decode running: steps are chunked now
+    s.add_request(req("long", 200, 9.0))
+    s.update(plan := s.schedule(), _sampled(plan))  # the long prompt's first chunk (63 rows beside the decode)
+    assert {q.request_id: q.end_pos - q.start_pos for q in plan.seqs} == {"d": 1, "long": 63}
+    s.add_request(req("late", 40, 0.5))  # past its deadline already (now 1.0)
+    s.add_request(req("short", 40, 2.0))
+    rows = [(q.request_id, q.end_pos - q.start_pos) for q in s.schedule().seqs]
+    if edf:  # the decode, then the earliest deadline still ahead, then the long one's next chunk
+        assert rows == [("d", 1), ("short", 40), ("long", 23)]
+    else:  # admission order: the long prompt takes the whole share
+        assert rows == [("d", 1), ("long", 63)]

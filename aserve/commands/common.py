@@ -197,8 +197,10 @@ def add_cluster_args(p: argparse.ArgumentParser, default_mode: str = "disagg") -
                                    "(scheduling/placement.py). Default: on wherever the SLO in force has a TPOT limit "
                                    "(serve: always), else off"),
         ("--slo-order", False, "adaptive: each instance admits waiting prompts by TTFT deadline (arrival + the SLO's "
-                               "TTFT limit), those already past theirs after those that can still meet it; requests "
-                               "already started (preempted, handed over) first as before (scheduling/hybrid.py)")))
+                               "TTFT limit) and gives each step's prompt rows to its admitted prompts in that order "
+                               "(earliest deadline first, a chunk at a time), those already past theirs after those "
+                               "that can still meet it; requests already started (preempted, handed over) first as "
+                               "before (scheduling/hybrid.py)")))
     g.add_argument("--slo-slack", type=float, default=0.5,
                    help="--slo-placement: the share of a prompt's TTFT limit its estimated TTFT may use")
     g.add_argument("--no-flip-migrate", action="store_true",
