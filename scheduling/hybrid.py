@@ -127,17 +127,16 @@ class HybridScheduler(DecodeScheduler):
 
     def _next_waiting(self) -> Request:
         """The request admission considers next: the queue's head, or with ``deadline_order``
-        (earliest deadline first, an SLO's classic): requests that have begun, in queue order; then
-        prompts whose TTFT deadline is still ahead, earliest first; then those past theirs (they
-        miss it however soon they start: the ones that can still meet theirs go first), in queue
-        order. A request that cannot start still stops those behind it (no starvation)."""
+        (earliest deadline first, an SLO's classic) the first by ``_deadline_rank``. A request that
+        cannot start still stops those behind it (no starvation)."""
         if not self.hybrid.deadline_order:
             return self._waiting[0]
         now = self.clock.now()
         return min(enumerate(self._waiting), key=lambda item: _deadline_rank(*item, now))[1]
 
     def _rows(self) -> tuple:
-        """Decodes one row each; prompt chunks share what the budget leaves, in admission order.
+        """Decodes one row each; prompt chunks share what the budget leaves, in admission order
+        (by TTFT deadline with ``deadline_order``: ``_in_deadline_order``).
         With no decode in the step there is no token gap to protect: prompts run whole, as many
         as the budget holds, and one longer than the budget alone (vLLM's prompt step).
 
@@ -151,7 +150,9 @@ class HybridScheduler(DecodeScheduler):
         whole = self.hybrid.whole_prompts_when_idle and decodes == 0
         left = max(self.hybrid.token_budget - decodes, self.hybrid.min_chunk)
         debt, self._debt = self._debt, 0
-        running = self._in_deadline_order() if self.hybrid.deadline_order else self._running
+        # deadline order matters only where a prompt is running (decode-only steps, the common ones, skip the sort)
+        running = self._in_deadline_order() if self.hybrid.deadline_order and decodes < len(self._running) \
+            else self._running
         if decodes and not debt and self.hybrid.prompt_first_rows is not None:
             first = self._prompt_first(self.hybrid.token_budget - decodes - self.hybrid.prompt_first_rows, running)
             if first:
