@@ -102,6 +102,9 @@ class EntryLoad:
     # with the TPOT SLO known (tpot_slo): each running decode there still within its TPOT limit, as
     # (seconds of extra step time it can take before its mean token time passes the limit, tokens left)
     tpot_rooms: tuple = ()
+    # prompt tokens its recent steps carried, on average (the cluster's running mean): what a decode
+    # kept there will ride beside, which ``keep_local`` prices against the TPOT SLO
+    recent_prompt_tokens: float = 0.0
 
     def __post_init__(self):
         if self.role not in ("prefill", "decode"):
@@ -301,6 +304,17 @@ class Placement:
                      + self.prompt_work_s(src) - self.prompt_work_s(dst))
         return expected_tokens * per_token - self.step_time_s(dst)
 
+    def kept_token_s(self, src: EntryLoad) -> float:
+        """Seconds a token of a decode kept at ``src`` takes: a step with one decode more, beside
+        the prompt tokens its recent steps carried (``recent_prompt_tokens``, within its share)."""
+        c = self.config
+        prompt = min(src.recent_prompt_tokens, self.share(replace(src, num_decodes=src.num_decodes + 1)))
+        return self.decode_step_s(src) + prompt * c.prefill_token_s
+
+    def decode_step_s(self, load: EntryLoad) -> float:
+        """Seconds of the instance's decode-only step with one decode more."""
+        return self.config.step_s + (load.num_decodes + 1) * self.config.decode_row_s
+
     def keep_local(self, src: EntryLoad, decode_loads: Sequence[EntryLoad], need_blocks: int,
                    expected_tokens: float = 1.0) -> bool:
         """Whether a prefill instance keeps a request it prefilled (``need_blocks``: its prompt
@@ -311,6 +325,10 @@ class Placement:
         room = [ld for ld in decode_loads if ld.free_blocks >= need_blocks]
         if not room:
             return True
+        limit = self.tpot_limit_s()
+        if (limit is not None and self.kept_token_s(src) > limit
+                and any(self.decode_step_s(ld) <= limit for ld in room)):
+            return False  # beside its recent prompts it would miss TPOT; a decode instance's steps keep it
         if self.config.keep_margin is not None:
             return all(src.num_decodes < ld.num_decodes + self.config.keep_margin for ld in decode_loads)
         return all(self.handover_gain_s(src, ld, expected_tokens) <= 0 for ld in room)

@@ -2,6 +2,8 @@
 prefill and a decode instance from given loads, the prefill instance's keep-or-hand-over rule,
 the hybrid scheduler's budgeted chunks beside decodes, and ratio flips' hysteresis band and
 per-instance dwell on a fake clock."""
+from dataclasses import replace
+
 import pytest
 
 from scheduling.block_manager import BlockManager
@@ -87,6 +89,27 @@ def test_keep_or_hand_over_priced():
     # where a row costs nothing and no prompt waits, a move saves nothing: keep
     free_rows = Placement(PlacementConfig(step_s=0.04, prefill_token_s=2e-4, decode_row_s=0.0))
     assert free_rows.keep_local(load("p0", "prefill", decodes=6), [load("d1", "decode", decodes=1)], 4, 300)
+
+
+def test_a_decode_that_would_miss_tpot_beside_recent_prompts_is_handed_over():
+    # TPOT limit 2 batch-1 decode steps (tight-tpot): 2 x 11 ms = 22 ms. A prefill instance whose
+    # recent steps carried 30 prompt tokens would take 10 + 2 + 30 = 42 ms a token of a decode kept
+    # there; the decode instance's 4 decodes and this one, 15 ms: hand over, where the priced
+    # rule alone keeps (the decode instance is busier)
+    costs = dict(token_budget=256, step_s=0.01, prefill_token_s=1e-3, decode_row_s=1e-3)
+    tight = Placement(PlacementConfig(tpot_slo=(0.0, 2.0), **costs))
+    untimed = Placement(PlacementConfig(**costs))
+    recent = replace(load("p0", "prefill", decodes=1), recent_prompt_tokens=30.0)
+    d = load("d1", "decode", decodes=4)
+    assert tight.kept_token_s(recent) == pytest.approx(0.042)
+    assert untimed.keep_local(recent, [d], 4, expected_tokens=20)
+    assert not tight.keep_local(recent, [d], 4, expected_tokens=20)
+    # quiet recent steps (5 tokens a step: 17 ms a token) keep it within TPOT: the priced rule decides
+    assert tight.keep_local(replace(recent, recent_prompt_tokens=5.0), [d], 4, expected_tokens=20)
+    # a decode instance whose own step would pass the limit (12 decodes: 23 ms) is no better: priced rule
+    assert tight.keep_local(recent, [load("d1", "decode", decodes=12)], 4, expected_tokens=20)
+    # no room there: keep
+    assert tight.keep_local(recent, [load("d1", "decode", decodes=4, free=3)], 4, expected_tokens=20)
 
 
 def test_rebalance_moves_decodes_until_the_batches_even_out():

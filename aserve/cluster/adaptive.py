@@ -27,6 +27,9 @@ from scheduling.request import Request
 # decode (a block's worth of steps ahead) moved decodes that would not have been preempted, each
 # paying a token gap (LPLD tight-tpot 6.61 -> 5.56, HPLD tight-tpot 0.536 -> 0.471 req/s a device).
 RELIEF_HORIZON_STEPS = 4
+# the running mean of an instance's prompt tokens a step weighs its newest step this much: about the
+# last ten steps, the first tokens of a decode that the keep decision prices
+RECENT_WEIGHT = 0.1
 
 
 class AdaptivePlacer:
@@ -50,6 +53,7 @@ class AdaptivePlacer:
         self.move_log: list[dict] = []
         self.migrating: set[str] = set()  # ... and those whose copy has begun, until it lands or fails
         self.last_arrival = float("-inf")  # when the last request arrived (the rebalance's quiet time)
+        self.recent_prompt: dict[str, tuple[int, float]] = {}  # instance id -> (its prompt tokens so far, recent mean a step)
 
     def entry_loads(self, req: Optional[Request] = None, rooms: bool = False) -> list[EntryLoad]:
         """Adaptive: every active instance as the placement sees it (with ``req``: and how much of
@@ -66,7 +70,15 @@ class AdaptivePlacer:
         leave them empty."""
         queued = inst.num_queued_tokens if queued_tokens is None else queued_tokens
         return EntryLoad(inst.id, inst.role, queued, inst.adaptive.num_decoding, inst.blocks.num_free,
-                         inst.blocks.block_size, self._cached(inst, req), self._tpot_rooms(inst) if rooms else ())
+                         inst.blocks.block_size, self._cached(inst, req), self._tpot_rooms(inst) if rooms else (),
+                         self.recent_prompt[inst.id][1] if inst.id in self.recent_prompt else 0.0)
+
+    def observe(self, inst: Instance) -> None:
+        """After each of ``inst``'s steps: the running mean of the prompt tokens its steps carry
+        (``EntryLoad.recent_prompt_tokens``), weight ``RECENT_WEIGHT`` on the newest step."""
+        total, mean = self.recent_prompt.get(inst.id, (inst.num_prefill_tokens, 0.0))
+        step = inst.num_prefill_tokens - total
+        self.recent_prompt[inst.id] = (inst.num_prefill_tokens, mean + RECENT_WEIGHT * (step - mean))
 
     def _tpot_rooms(self, inst: Instance) -> tuple:
         """With the TPOT SLO known: each of ``inst``'s running decodes still within its TPOT limit,

@@ -420,6 +420,7 @@ class Cluster:
             handle.phase = "transfer"
             self.spawn(self._handoff(instance, handle))
         if self.cfg.mode == "adaptive":
+            self.placer.observe(instance)
             self.placer.late_bind(instance)
             if self.cfg.kv_relief is not None:
                 self.placer.relieve()
