@@ -98,10 +98,33 @@ def simulated_knees(log: Path) -> dict:
 def row_cells(run: dict) -> dict:
     systems = run["systems"]
     out = {name: cell(name, systems[name]) for name in ("vllm", "sarathi", "adaptive") if name in systems}
-    split, s = best_tetri(systems)
-    out["tetri"] = cell("tetri", s, split_of(split, s))
-    out["tetri"]["splits"] = {n: systems[n]["goodput_per_device"] for n in TETRI if n in systems}
+    if any(n in TETRI or n == "tetri" for n in systems):
+        split, s = best_tetri(systems)
+        out["tetri"] = cell("tetri", s, split_of(split, s))
+        out["tetri"]["splits"] = {n: systems[n]["goodput_per_device"] for n in TETRI if n in systems}
     return out
+
+
+def merge_into(path: Path, runs: dict, abouts: set, how: str) -> dict:
+    """The result file at ``path`` with this run's systems in place of its own, cell by cell (a
+    system this run has replaces that system's cell and curve; every other cell stays), and the
+    run's commit, date and machine added to its meta: a later search of some systems (SYSTEMS=adaptive
+    ... after a change to adaptive) updates the committed table without the earlier runs' folders."""
+    result = json.loads(path.read_text())
+    data, meta = result["data"], result["meta"]
+    for (w, c), run in runs.items():
+        for name, new in row_cells(run).items():
+            at = [i for i, x in enumerate(data["cells"]) if (x["workload"], x["corner"], x["system"]) == (w, c, name)]
+            if not at:
+                raise SystemExit(f"{path} has no {w} {c} {name} cell to replace")
+            data["cells"][at[0]] = {"workload": w, "corner": c, **new}
+        if w in data.get("curves", {}):
+            data["curves"][w].setdefault(c, {}).update({n: s["points"] for n, s in run["systems"].items()})
+    for key, i in (("commit", 0), ("date", 1), ("machine", 2)):
+        sep = "; " if key == "machine" else ", "
+        meta[key] = sep.join(sorted(set(meta[key].split(sep)) | {a[i] for a in abouts}))
+    meta["command"] += f" && {how}"
+    return result
 
 
 def text(c: dict, best: bool) -> str:
@@ -124,7 +147,8 @@ def markdown(rows: dict, title: str) -> str:
         top = max((c["goodput_per_device"] or 0.0) for c in cells.values())
         best = max(cells.values(), key=lambda c: c["goodput_per_device"] or 0.0)
         lines.append(f"| {w} | {corner} | " + " | ".join(
-            text(cells[n], top > 0 and (cells[n]["goodput_per_device"] or 0) >= top * 0.999) for n in COLUMNS)
+            text(cells[n], top > 0 and (cells[n]["goodput_per_device"] or 0) >= top * 0.999) if n in cells else "-"
+            for n in COLUMNS)
             + f" | {best['limited_by'] or '-'} |")
     return "\n".join(lines)
 
@@ -201,6 +225,8 @@ def main(argv=None) -> int:
                    "(SYSTEMS=... goodput_paper.sh OUT2): its systems replace OUT_DIR's, cell by cell; repeatable")
     p.add_argument("--caveat", action="append", default=[], help="a sentence the results page prints beside "
                    "the table (e.g. a point that ran beside other load); repeatable")
+    p.add_argument("--into", default=None, help="a committed result file (results/goodput_paper.json): "
+                   "OUT_DIR's systems replace its cells and curves, the rest stays; written back in place")
     a = p.parse_args(argv)
     layout = CPU if a.cpu else PAPER
     runs = {}
@@ -228,6 +254,12 @@ def main(argv=None) -> int:
         print(markdown(held, "trace"))
     print("\n" + wall_times(runs))
     prefix = "goodput_cpu_" if a.cpu else "goodput_"
+    if a.into:
+        systems = sorted({n for r in runs.values() for n in r["systems"]})
+        how = (f"SYSTEMS={','.join(systems)} {layout.script} OUT3 && python benchmarks/goodput_table.py OUT3"
+               + (" --cpu" if a.cpu else "") + f" --into {a.into}")
+        Path(a.into).write_text(json.dumps(merge_into(Path(a.into), runs, abouts, how), indent=1) + "\n")
+        print(f"\nmerged {', '.join(systems)} into {a.into}")
     if a.json:
         first = next(iter(runs.values()))
         abouts = sorted(abouts)

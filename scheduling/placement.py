@@ -39,6 +39,24 @@ row costs (this CPU) it keeps unless the batches differ. An integer ``keep_margi
 margin``) keeps instead while the instance runs fewer than that many decodes more than the least
 busy decode instance: round 1's rule, kept for comparison.
 
+With the TPOT SLO known, before all that: a decode kept at a prefill instance rides beside the
+prompts it chunks, so it is handed over where its token there would pass the TPOT limit and some
+decode instance with room decodes it within the limit:
+
+    kept(i)    = step_s + (decodes_i + 1) · decode_row_s + min(recent_i, share_i) · prefill_token_s
+    hand over when kept(p) > limit and kept(d) <= limit for every d with room, none with a prompt queued
+
+where recent_i is the running mean of the prompt tokens i's steps carried (``EntryLoad.
+recent_prompt_tokens``; the cluster weighs the newest step 0.1). The prompts an instance will
+chunk next are not known when it decides; its recent steps are the estimate. A decode instance
+with a prompt queued is no refuge: with no decode of its own it runs a prompt whole, and a decode
+that lands meanwhile waits for that step (at paper scale, HPLD's 2,000-token prompts: first gaps of
+0.26-0.69 s against a 0.2 s token-gap limit when that was left out). Every decode instance with
+room must qualify, since the hand-over picks among them by its own rule. At the Azure
+conversation trace's tight-TPOT corner on this CPU (limit 2 batch-1 steps, 17 ms; a step with a
+prompt chunk 23 ms) the priced rule kept 70 of 95 prefills beside the chunks that followed, and
+they were the requests that missed TPOT (docs/notes/goodput.md, "Kept beside chunks").
+
 ``rebalance_count``: once requests stop arriving and no prompt is queued anywhere, an instance's
 running decodes may move to a less busy instance of either role (an idle prefill instance's core
 would otherwise sit out the tail), by the same KV migration a flip uses (the cluster decides
@@ -321,13 +339,16 @@ class Placement:
         plus predicted output; ``expected_tokens``: its expected output) and decodes it itself:
         when no decode instance has the room (its KV would sit idle here, waiting for some), or
         when no hand-over pays (module docstring). With an integer ``keep_margin``: unless it
-        runs that many decodes more than the least busy decode instance."""
+        runs that many decodes more than the least busy decode instance. With the TPOT SLO known,
+        first: hand over where a token here (``kept_token_s``) would pass its limit and every
+        decode instance with room (the hand-over picks among them by its own rule) has no prompt
+        queued and keeps a token within it."""
         room = [ld for ld in decode_loads if ld.free_blocks >= need_blocks]
         if not room:
             return True
         limit = self.tpot_limit_s()
         if (limit is not None and self.kept_token_s(src) > limit
-                and any(self.decode_step_s(ld) <= limit for ld in room)):
+                and all(ld.queued_tokens == 0 and self.kept_token_s(ld) <= limit for ld in room)):
             return False  # beside its recent prompts it would miss TPOT; a decode instance's steps keep it
         if self.config.keep_margin is not None:
             return all(src.num_decodes < ld.num_decodes + self.config.keep_margin for ld in decode_loads)

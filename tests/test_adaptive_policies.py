@@ -110,6 +110,13 @@ def test_a_decode_that_would_miss_tpot_beside_recent_prompts_is_handed_over():
     assert tight.keep_local(recent, [load("d1", "decode", decodes=12)], 4, expected_tokens=20)
     # no room there: keep
     assert tight.keep_local(recent, [load("d1", "decode", decodes=4, free=3)], 4, expected_tokens=20)
+    # a decode instance with a prompt queued is no refuge (it may be running it whole), nor one whose
+    # recent steps carried prompts; and every decode instance with room must qualify (the hand-over
+    # picks among them by its own rule)
+    assert tight.keep_local(recent, [load("d1", "decode", queued=500, decodes=4)], 4, expected_tokens=20)
+    assert tight.keep_local(recent, [replace(d, recent_prompt_tokens=30.0)], 4, expected_tokens=20)
+    assert tight.keep_local(recent, [d, load("d2", "decode", queued=500)], 4, expected_tokens=20)
+    assert not tight.keep_local(recent, [d, load("d2", "decode", decodes=2)], 4, expected_tokens=20)
 
 
 def test_rebalance_moves_decodes_until_the_batches_even_out():

@@ -258,3 +258,31 @@ def test_a_burst_of_prompts_cached_on_one_instance_is_placed_there(bundle):
             assert all(h.request.num_cached_tokens >= 288 for h in burst)  # 18 of 19 blocks of 16 hit
             await settled(cl, list(cl.instances))
     virtual(main)
+
+
+def test_adaptive_hands_over_what_it_would_keep_beside_chunks_past_the_tpot_slo(bundle):
+    """Prompts arriving a fifth of a second apart on 1P+1D: the prefill instance's priced rule
+    keeps all it prefilled (to even out the batches); with a TPOT SLO of two decode steps, which
+    no step beside a prompt chunk meets, it hands most of them to the decode instance, and every
+    request still ends with all its tokens and every block back."""
+    def kept(tpot_slo):
+        cfg = ClusterConfig(mode="adaptive", num_prefill=1, num_decode=1, chunk_size=256, predictor="none",
+                            tpot_slo=tpot_slo)
+
+        async def main(clock):
+            async with Cluster(ENGINE, cfg, bundle=bundle, clock=clock) as cl:
+                handles = []
+                for i, p in enumerate(prompts(12, seed=5)):
+                    handles.append(cl.submit(p, SP, request_id=f"r{i}"))
+                    await asyncio.sleep(0.2)
+                for h in handles:
+                    got = [ev async for ev in cl.stream(h)]
+                    assert got[-1].finish_reason == "length" and got[-1].error is None
+                await settled(cl, list(cl.instances))
+                return dict(cl.placements), dict(cl.placer.recent_prompt)
+        return virtual(main)
+
+    (free, _), (tight, recent) = kept(None), kept((0.0, 2.0))
+    assert free["kept"] == free["prefill"] > 0, free  # the priced rule keeps every one here
+    assert tight["kept"] < tight["prefill"] / 2, tight  # the TPOT rule hands most over
+    assert recent["p0"][1] > 0  # the running mean saw the prefill instance's prompts

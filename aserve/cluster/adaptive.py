@@ -77,7 +77,7 @@ class AdaptivePlacer:
         """After each of ``inst``'s steps: the running mean of the prompt tokens its steps carry
         (``EntryLoad.recent_prompt_tokens``), weight ``RECENT_WEIGHT`` on the newest step."""
         total, mean = self.recent_prompt.get(inst.id, (inst.num_prefill_tokens, 0.0))
-        step = inst.num_prefill_tokens - total
+        step = max(0, inst.num_prefill_tokens - total)  # an instance replaced under its id counts from 0
         self.recent_prompt[inst.id] = (inst.num_prefill_tokens, mean + RECENT_WEIGHT * (step - mean))
 
     def _tpot_rooms(self, inst: Instance) -> tuple:
