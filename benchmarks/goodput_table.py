@@ -124,6 +124,8 @@ def merge_into(path: Path, runs: dict, abouts: set, how: str) -> dict:
         sep = "; " if key == "machine" else ", "
         meta[key] = sep.join(sorted(set(meta[key].split(sep)) | {a[i] for a in abouts}))
     meta["command"] += f" && {how}"
+    searches = [s for r in runs.values() for s in r["systems"].values()]
+    meta["wall_time"] += f"; then {sum(s['wall_s'] for s in searches) / 60:.0f} min ({len(searches)} searches merged)"
     return result
 
 

@@ -42,7 +42,8 @@ def budget_line(spec) -> str:
     if c.mode == "adaptive" and c.slo_placement:
         line += f", placement by TTFT slack {c.placement_slack:g}"
     if c.mode == "adaptive" and c.tpot_slo is not None:
-        line += ", prompts kept from decodes they would push past TPOT"
+        line += (", prompts kept from decodes they would push past TPOT, decodes handed over where prompts"
+                 " would push them past it")
     if c.mode == "adaptive" and c.slo_order:
         line += ", prompts by TTFT deadline"
     return line
