@@ -29,14 +29,19 @@ def _committed(path):
                                                                                            "sarathi": [[2, 1]]}}}}}))
 
 
-def test_into_replaces_only_the_systems_searched_again(tmp_path):
+def _searched_again(tmp_path, cell: str, system: dict):
+    """A committed file, and OUT3 holding one later search of adaptive in ``cell``."""
     committed = tmp_path / "goodput_paper.json"
     _committed(committed)
     out = tmp_path / "OUT3"
     out.mkdir()
-    (out / "Mixed_balanced.json").write_text(json.dumps({
-        "systems": {"adaptive": _system(0.5, wall=120.0)},
-        "about": {"commit": "bbb", "date": "2026-11-30T22:00:00+00:00", "machine": "m2"}}))
+    (out / f"{cell}.json").write_text(json.dumps({
+        "systems": {"adaptive": system}, "about": {"commit": "bbb", "date": "2026-11-30T22:00:00+00:00", "machine": "m2"}}))
+    return committed, out
+
+
+def test_into_replaces_only_the_systems_searched_again(tmp_path):
+    committed, out = _searched_again(tmp_path, "Mixed_balanced", _system(0.5, wall=120.0))
     assert goodput_table.main([str(out), "--into", str(committed)]) == 0
     got = json.loads(committed.read_text())
     by = {c["system"]: c for c in got["data"]["cells"]}
@@ -51,11 +56,6 @@ def test_into_replaces_only_the_systems_searched_again(tmp_path):
 
 
 def test_into_refuses_a_cell_the_committed_file_lacks(tmp_path):
-    committed = tmp_path / "goodput_paper.json"
-    _committed(committed)
-    out = tmp_path / "OUT3"
-    out.mkdir()
-    (out / "LPLD_balanced.json").write_text(json.dumps({
-        "systems": {"adaptive": _system(0.3)}, "about": {"commit": "bbb", "date": "2026-11-30", "machine": "m2"}}))
+    committed, out = _searched_again(tmp_path, "LPLD_balanced", _system(0.3))
     with pytest.raises(SystemExit, match="no LPLD balanced adaptive cell"):
         goodput_table.main([str(out), "--into", str(committed)])
