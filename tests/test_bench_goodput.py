@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from aserve.bench.goodput import Knee, Limits, Point, check_meetable, check_trace, search
+from aserve.bench.goodput import Knee, Limits, Point, check_meetable, check_trace, pooled, search
 from aserve.bench.goodput_report import limited_by
 from aserve.devices.sim_device import load_profile
 from aserve.replay.slo import UnloadedCosts, build_slo
@@ -129,6 +129,51 @@ def test_a_search_on_the_simulated_v100_writes_its_knee_points_and_plot(tmp_path
             assert p["prefix_cache_hit_rate"] is not None and p["prefix_cache_evictions"] >= 0
             assert (p["kv_bytes_moved"] > 0) == (name == "tetri")
     assert plot.stat().st_size > 10_000
+
+
+def test_replays_of_one_rate_pool_every_request_once():
+    """--repeats: a point is decided on every request of every replay; a run's figures are means."""
+    a = Point(2.0, 115 / 128, 115, 128, {"ttft": 9, "tpot": 4}, 17.0, 40.0, 0.5, 2, 100, 0.2, 0.9)
+    b = Point(2.0, 117 / 128, 117, 128, {"ttft": 8, "tpot": 3}, 19.0, 42.0, 0.7, 4, 300, 0.4, 1.1)
+    p = pooled([a, b])
+    assert (p.good, p.num_requests, p.attainment) == (232, 256, pytest.approx(232 / 256))
+    assert p.attainment >= 0.9 > a.attainment  # a draw that failed alone passes with its twin
+    assert p.misses == {"ttft": 17, "tpot": 7} and p.draws == (a.attainment, b.attainment) and p.repeats == 2
+    assert (p.makespan_s, p.wall_s, p.hit_rate, p.kv_bytes_moved, p.ttft_p99_s) == (18.0, 82.0, pytest.approx(0.6), 200, 1.0)
+    assert p.request_goodput == pytest.approx(116 / 18.0)  # a run's good requests a second, as one replay's
+    assert pooled([a]) is a and a.repeats == 1 and a.request_goodput == pytest.approx(115 / 17.0)
+    with pytest.raises(ValueError, match="share one rate"):
+        pooled([a, Point(3.0, 1.0, 128, 128, {}, 10.0, 20.0)])
+
+
+def test_repeats_are_refused_where_a_replay_is_the_same_every_time(tmp_path):
+    with pytest.raises(ValueError, match="--repeats 3: a simulated device .* replays a rate the same way every time"):
+        goodput(tmp_path, trace_file(tmp_path, 40), "--slo", "balanced", "--repeats", "3")
+    with pytest.raises(ValueError, match="--repeats must be >= 1"):
+        goodput(tmp_path, trace_file(tmp_path, 40), "--slo", "balanced", "--repeats", "0")
+
+
+def test_a_real_search_pools_its_repeats_and_keeps_each_draw(tmp_path):
+    """On the real CPU (the default model, two one-thread instances) each probed rate is replayed
+    twice and decided on both replays' requests; the JSON keeps each replay's attainment."""
+    from aserve.commands import build_parser
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": i * 0.4, "prompt_tokens": 16 + 9 * (i % 5),
+                                        "output_tokens": 3 + i % 4}) + "\n" for i in range(20)))
+    out = tmp_path / "g.json"
+    a = build_parser().parse_args(["bench", "goodput", str(path), "--device", "cpu", "--threads", "2", "--no-progress",
+                                   "--kv-cache-gb", "0.25", "--slo", "tight-tpot", "--max-points", "3", "--repeats",
+                                   "2", "--estimate-device", "sim:opt-13b-v100-32gb", "--json", str(out),
+                                   "--compare", "sarathi: --mode coupled --instances 2 --batching sarathi"])
+    assert a.func(a) == 0
+    report = json.loads(out.read_text())
+    assert report["search"]["repeats"] == 2
+    s = report["systems"]["sarathi"]
+    assert 1 <= s["num_points"] == len(s["points_detail"]) <= 3
+    for p in s["points_detail"]:
+        assert len(p["draws"]) == 2 and all(0 <= d <= 1 for d in p["draws"])
+        assert p["attainment"] == pytest.approx(p["good"] / 40) == pytest.approx(sum(p["draws"]) / 2)
 
 
 def test_knee_dataclass_reads_its_error_bar():

@@ -12,6 +12,13 @@ shape of its arrivals, rescaled; an untimed one gets Poisson arrivals, or Gamma 
       x2 up while attainment >= target, /2 down while below  -> a bracket [good, bad)
       geometric bisection until bad / good <= 1 + --precision -> the knee = good, its error bar = bad - good
 
+On a real device one replay is one draw of the machine's minutes: near the knee of a bursty trace
+the attainment curve is flat, a few requests either side of the target over a wide range of rates,
+and the same system at the same rate passes one draw and fails the next. ``--repeats K`` replays
+each probed rate K times and pools them (``pooled``: the good requests of every replay over all
+their requests), so a point is decided on K times the requests; each replay's own attainment is
+kept beside the pooled one. A simulated device replays the same way every time, so there it is refused.
+
 The search never runs unbounded: at ``floor`` (every request arrives after the one before it
 would have finished alone) a failing system is reported as unable to meet the SLO at any rate; above ``ceiling`` (the whole trace arrives within one median prompt's
 prefill: raising the rate changes nothing) a passing one as too little load to find its knee
@@ -50,10 +57,40 @@ class Point:
     kv_bytes_moved: Optional[int] = None
     ttft_mean_s: Optional[float] = None  # over the requests that got a first token
     ttft_p99_s: Optional[float] = None
+    # pooled over several replays at this rate (``pooled``): good, num_requests and misses summed over
+    # them, wall_s too; makespan_s and the figures above their means; ``draws`` each replay's own attainment
+    draws: tuple = ()
+
+    @property
+    def repeats(self) -> int:
+        return max(1, len(self.draws))
 
     @property
     def request_goodput(self) -> float:
-        return self.good / self.makespan_s if self.makespan_s > 0 else 0.0
+        """Good requests per second of a run (of one replay, where several are pooled)."""
+        return self.good / self.repeats / self.makespan_s if self.makespan_s > 0 else 0.0
+
+
+PER_RUN = ("hit_rate", "evictions", "kv_bytes_moved", "ttft_mean_s", "ttft_p99_s")  # a run's figures: pooled by their mean
+
+
+def pooled(points: Sequence[Point]) -> Point:
+    """Replays of one rate as one point: every request of every replay counts once (module doc)."""
+    if len(points) == 1:
+        return points[0]
+    rates = {p.rate for p in points}
+    if len(rates) != 1:
+        raise ValueError(f"pooled points must share one rate, got {sorted(rates)}")
+    good, num = sum(p.good for p in points), sum(p.num_requests for p in points)
+    misses = {k: sum(p.misses.get(k, 0) for p in points) for k in points[0].misses}
+
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else None
+
+    return Point(points[0].rate, good / num if num else 0.0, good, num, misses,
+                 makespan_s=mean(p.makespan_s for p in points), wall_s=sum(p.wall_s for p in points),
+                 draws=tuple(p.attainment for p in points), **{k: mean(getattr(p, k) for p in points) for k in PER_RUN})
 
 
 @dataclass(frozen=True)

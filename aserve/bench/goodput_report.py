@@ -39,7 +39,7 @@ def system_json(spec, knee: Knee, devices: int, wall_s: float, estimate_s: Optio
             "points_detail": [{"rate": p.rate, "attainment": p.attainment, "good": p.good, "misses": p.misses,
                                "makespan_s": p.makespan_s, "wall_s": p.wall_s, "prefix_cache_hit_rate": p.hit_rate,
                                "prefix_cache_evictions": p.evictions, "kv_bytes_moved": p.kv_bytes_moved,
-                               "ttft_mean_s": p.ttft_mean_s, "ttft_p99_s": p.ttft_p99_s}
+                               "ttft_mean_s": p.ttft_mean_s, "ttft_p99_s": p.ttft_p99_s, "draws": list(p.draws)}
                               for p in knee.points],
             "wall_s": wall_s, "estimated_wall_s": estimate_s,
             "config": {"mode": c.mode, "layout": f"{c.num_prefill}P+{c.num_decode}D" if c.split else f"{c.num_coupled}",
@@ -77,6 +77,10 @@ def print_table(report: dict, console) -> None:
                   "n/a" if g is None else f"{'>= ' if s['bound'] == 'at_least' else ''}{g:.4g}", ratio,
                   s["limited_by"] or "-", str(s["num_points"]), f"{s['wall_s']:.1f}")
     console.print(t)
+    repeats = report["search"].get("repeats", 1)
+    if repeats > 1:
+        console.print(f"each point pooled over {repeats} replays of its rate (points: rates probed; each replay's own "
+                      "attainment in the JSON's points_detail, draws)")
     for name, s in systems.items():
         if s["bound"] != "within":
             console.print(f"[yellow]{escape(name)}[/yellow]: {s['bound']}: {s['bound_means']}")

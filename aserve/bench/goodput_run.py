@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from aserve.bench.goodput import (Knee, Limits, check_meetable, check_trace, replay_point, search, search_bounds,
-                                  simulated)
+from aserve.bench.goodput import (Knee, Limits, check_meetable, check_trace, pooled, replay_point, search,
+                                  search_bounds, simulated)
 from aserve.replay.slo import Slo
 
 POINT_OVERHEAD_S = 5.0  # a real point's start-up: a fresh cluster, its warm-up request, the report
@@ -31,6 +31,7 @@ class GoodputJob:
     estimate_device: Optional[str] = None  # a real device's simulation (sim:local), None on sim:
     timeout_s: Optional[float] = None
     progress: bool = True
+    repeats: int = 1  # replays a probed rate, pooled (aserve/bench/goodput.py, ``pooled``)
 
 
 def devices(spec) -> int:
@@ -75,7 +76,7 @@ def estimate(job: GoodputJob, spec, requests, console) -> tuple[Optional[Knee], 
         console.print(f"{spec.name}: no estimate ({job.estimate_device}: {type(e).__name__}: {e})")
         return None, float("nan")
     plan = search(probe, limits_for(job, requests, found.rate)) if found.rate else found
-    wall = sum(p.makespan_s + POINT_OVERHEAD_S for p in plan.points)
+    wall = job.repeats * sum(p.makespan_s + POINT_OVERHEAD_S for p in plan.points)
     return found, wall
 
 
@@ -111,9 +112,11 @@ def _search_one(job, spec, requests, plan, bar, console):
 
     def probe(rate):
         count[0] += 1
-        p = replay_point(spec, job.fitted(rate), job.prompts, job.bundle, job.slo, rate, job.run_loop,
-                         bar if job.estimate_device else None, job.timeout_s)
+        p = pooled([replay_point(spec, job.fitted(rate), job.prompts, job.bundle, job.slo, rate, job.run_loop,
+                                 bar if job.estimate_device else None, job.timeout_s) for _ in range(job.repeats)])
         missed = ", ".join(f"{k} {n}" for k, n in p.misses.items() if n) or "none"
+        if p.repeats > 1:
+            missed += f"; {p.repeats} replays pooled: " + " / ".join(f"{d:.1%}" for d in p.draws)
         left = f"; about {max(0.0, est - (time.perf_counter() - started)) / 60:.0f} min left" if est == est and est else ""
         console.log(f"{spec.name}: point {count[0]} (at most {job.max_points}) at {rate:.4g} req/s: attainment "
                     f"{p.attainment:.1%} ({p.good}/{p.num_requests}, missed {missed}) "

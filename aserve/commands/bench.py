@@ -110,7 +110,11 @@ def _register_goodput(bsub) -> None:
                         "simulation on this machine's profile predicts)")
     c.add_argument("--precision", type=float, default=0.05,
                    help="stop once the lowest failing rate is within this fraction above the knee (its error bar)")
-    c.add_argument("--max-points", type=int, default=12, help="replays per system at most")
+    c.add_argument("--max-points", type=int, default=12, help="probed rates per system at most")
+    c.add_argument("--repeats", type=int, default=1,
+                   help="real devices: replays of each probed rate, pooled (its attainment over every request of "
+                        "every replay; each replay's own is logged and kept): one replay is one draw of the machine's "
+                        "minutes, and near a bursty trace's knee draws pass and fail at the same rate")
     c.add_argument("--estimate-only", action="store_true",
                    help="real devices: print the estimated wall time (the search simulated on sim:local) and stop")
     c.add_argument("--estimate-device", default=None, metavar="sim:PROFILE",

@@ -1,7 +1,7 @@
 """``aserve bench goodput``: flags -> trace, systems, SLO -> every system's search -> table, JSON, plot.
 
     aserve bench goodput TRACE --slo CORNER|KEY=S,... [--goodput KEY:MS ...] [--compare 'A: flags ; B: flags']
-                         [--target 0.9] [--precision 0.05] [--max-points 12] [--rate-start R]
+                         [--target 0.9] [--precision 0.05] [--max-points 12] [--rate-start R] [--repeats K]
                          [--json FILE] [--plot FILE] [--estimate-only] [fit, engine and cluster flags]
 
 The search is aserve/bench/goodput.py; the run, with progress and a real device's estimate,
@@ -26,6 +26,8 @@ def _check(a: argparse.Namespace) -> None:
     if not a.slo and not a.goodput:
         raise ValueError("bench goodput needs an SLO: --slo balanced | tight-ttft | tight-tpot, or --goodput "
                          "KEY:MS ... (e.g. --goodput ttft:250 tpot:100)")
+    if a.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1 (replays of each probed rate), got {a.repeats}")
     if a.rate_start is not None and not a.rate_start > 0:
         raise ValueError(f"--rate-start must be > 0 req/s, got {a.rate_start}")
 
@@ -87,12 +89,15 @@ def run_goodput_command(a: argparse.Namespace) -> int:
     sim = is_sim(specs[0].engine)
     if len({is_sim(s.engine) for s in specs}) > 1:
         raise ValueError("--compare mixes simulated and real devices: search them separately")
+    if sim and a.repeats > 1:
+        raise ValueError(f"--repeats {a.repeats}: a simulated device ({specs[0].engine.device}) replays a rate the same "
+                         "way every time (virtual time), so one replay is all of them; leave --repeats out")
     prompts = PromptBuilder(bundle.tokenizer, Path(a.prompts) if a.prompts else None, a.seed).build(first.requests)
     twin = a.estimate_device or (None if sim or not a.device.startswith("cpu") else "sim:local")
     if twin is not None and not twin.startswith("sim:"):
         raise ValueError(f"--estimate-device must be a simulated device (sim:PROFILE), got {twin!r}")
     job = GoodputJob(fitted, prompts, bundle, slo, a.target, a.precision, a.max_points, a.rate_start,
-                     run_virtual if sim else run_loop, twin, a.timeout, a.progress)
+                     run_virtual if sim else run_loop, twin, a.timeout, a.progress, a.repeats)
     requests = prepare(job, a.trace)
     console.print(slo.describe(requests), highlight=False)
     for spec in specs:
@@ -121,7 +126,7 @@ def run_goodput_command(a: argparse.Namespace) -> int:
     report = {"about": about(getattr(a, "argv", None)), "trace": {**first.summary(), "native_rate": native_rate(first.requests)},
               "slo": {**slo.to_json(requests), "line": slo.describe(requests)},
               "search": {"target": a.target, "precision": a.precision, "max_points": a.max_points,
-                         "rate_start": a.rate_start, "device": a.device}, "systems": systems}
+                         "rate_start": a.rate_start, "device": a.device, "repeats": a.repeats}, "systems": systems}
     print_table(report, console)
     if a.json:
         console.print(f"wrote {write_json(report, a.json)}")
