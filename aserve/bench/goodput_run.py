@@ -94,9 +94,9 @@ def run_systems(job: GoodputJob, specs: Sequence, requests: Sequence, console) -
             total += wall if wall == wall else 0.0
             near = f"knee near {knee.rate:.3g} req/s" if knee and knee.rate else "no knee found there"
             console.print(f"{spec.name}: estimated wall time {wall / 60:.0f} min ({job.estimate_device}: {near})")
-        console.print(f"[bold]estimated wall time, every system: {total / 60:.0f} min[/bold] (each point is a real "
-                      f"replay of {len(requests)} requests; the estimate is the search simulated on "
-                      f"{job.estimate_device})")
+        each = "a real replay" if job.repeats == 1 else f"{job.repeats} real replays"
+        console.print(f"[bold]estimated wall time, every system: {total / 60:.0f} min[/bold] (each point is {each} "
+                      f"of {len(requests)} requests; the estimate is the search simulated on {job.estimate_device})")
     out = {}
     with ReplayProgress(job.progress and job.estimate_device is not None) as bar:
         for spec in specs:
