@@ -15,6 +15,9 @@
 #
 # CELL is W_CORNER (e.g. Mixed_tight-ttft); none: the six committed cells. PRECISION (0.15) is the knee's
 # relative step (with 32 requests one request is 3% of the attainment, so a finer step buys little).
+# REPEATS (1): replays of each probed rate, pooled (`bench goodput --repeats`): one replay is one draw of
+# the machine's minutes, and near Azure's burst the same system passes one draw and fails the next at
+# the same rate; REPEATS=3 triples the wall time.
 #
 # Each search starts at the knee simulated on sim:local (this machine's measured profile: run
 # `aserve profile device --threads 1` on a machine at rest first) and states its wall time; about
@@ -27,6 +30,7 @@ DATA=${DATA:-../shared/data/traces}
 N=${N:-32}
 LENGTH_SCALE=${LENGTH_SCALE:-0.1}
 PRECISION=${PRECISION:-0.15}
+REPEATS=${REPEATS:-1}
 shift
 WANT=" $* "
 mkdir -p "$OUT"
@@ -40,7 +44,7 @@ cell() {  # W CORNER TRACE [extra: only when named]
   [ "$WANT" = "  " ] && [ "${4:-}" = extra ] && return 0
   [ "$WANT" = "  " ] || [[ "$WANT" == *" ${w}_$c "* ]] || return 0
   $PY cli.py bench goodput "$trace" --num-requests "$N" --length-scale "$LENGTH_SCALE" --precision "$PRECISION" \
-      --device cpu --threads 2 --kv-cache-gb 0.5 --slo "$c" --compare "$SYS" \
+      --repeats "$REPEATS" --device cpu --threads 2 --kv-cache-gb 0.5 --slo "$c" --compare "$SYS" \
       --json "$OUT/${w}_$c.json" --plot "$OUT/${w}_$c.png" --no-progress > "$OUT/${w}_$c.log" 2>&1 \
       || { echo "FAILED: $w $c (see $OUT/${w}_$c.log)"; return 0; }
   grep -v 'length predictor' "$OUT/${w}_$c.log" | tail -n 12
