@@ -105,6 +105,11 @@ def row_cells(run: dict) -> dict:
     return out
 
 
+def curves_of(run: dict) -> dict:
+    """A run's attainment curve per system: its points as [rate, attainment]."""
+    return {n: s["points"] for n, s in run["systems"].items()}
+
+
 def merge_into(path: Path, runs: dict, abouts: set, how: str) -> dict:
     """The result file at ``path`` with this run's systems in place of its own, cell by cell (a
     system this run has replaces that system's cell and curve; every other cell stays), and the
@@ -119,7 +124,7 @@ def merge_into(path: Path, runs: dict, abouts: set, how: str) -> dict:
                 raise SystemExit(f"{path} has no {w} {c} {name} cell to replace")
             data["cells"][at[0]] = {"workload": w, "corner": c, **new}
         if w in data.get("curves", {}):
-            data["curves"][w].setdefault(c, {}).update({n: s["points"] for n, s in run["systems"].items()})
+            data["curves"][w].setdefault(c, {}).update(curves_of(run))
     for key, i in (("commit", 0), ("date", 1), ("machine", 2)):
         sep = "; " if key == "machine" else ", "
         meta[key] = sep.join(sorted(set(meta[key].split(sep)) | {a[i] for a in abouts}))
@@ -274,8 +279,7 @@ def main(argv=None) -> int:
                               **(shrunk(r["trace"]) if a.cpu else {})} for (w, _), r in runs.items()},
             "cells": [{"workload": w, "corner": c, **v} for (w, c), cells in {**tuned, **held}.items()
                       for v in cells.values()],
-            "curves": {w: {c: {n: s["points"] for n, s in runs[(w, c)]["systems"].items()}
-                           for c in CORNERS if (w, c) in runs} for w in CURVES},
+            "curves": {w: {c: curves_of(runs[(w, c)]) for c in CORNERS if (w, c) in runs} for w in CURVES},
         }
         if a.caveat:
             data["caveats"] = a.caveat
