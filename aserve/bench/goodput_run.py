@@ -112,8 +112,9 @@ def _search_one(job, spec, requests, plan, bar, console):
 
     def probe(rate):
         count[0] += 1
-        p = pooled([replay_point(spec, job.fitted(rate), job.prompts, job.bundle, job.slo, rate, job.run_loop,
-                                 bar if job.estimate_device else None, job.timeout_s) for _ in range(job.repeats)])
+        trace, shown = job.fitted(rate), bar if job.estimate_device else None  # the same requests each replay
+        p = pooled([replay_point(spec, trace, job.prompts, job.bundle, job.slo, rate, job.run_loop, shown, job.timeout_s)
+                    for _ in range(job.repeats)])
         missed = ", ".join(f"{k} {n}" for k, n in p.misses.items() if n) or "none"
         if p.repeats > 1:
             missed += f"; {p.repeats} replays pooled: " + " / ".join(f"{d:.1%}" for d in p.draws)
