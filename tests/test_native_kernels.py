@@ -155,6 +155,45 @@ def test_fp32_products_match_the_bf16_ones(threads, rows, n, k, bias):
         torch.set_num_threads(before)
 
 
+@needs_bf16
+@pytest.mark.parametrize("rows", [24, 31, 130, 515])  # kClaimRows (24) and up: rows claimed in units
+@pytest.mark.parametrize("n,k", [(13, 64), (576, 1536), (960, 576), (3072, 576)])  # 1, 9, 15, 48 groups
+def test_prompt_rows_claimed_by_two_threads_give_one_threads_sums(rows, n, k):
+    """From 24 rows the threads claim units of (group, range of rows) from a counter instead of each
+    taking a fixed share (so a thread slowed by another process takes fewer): every output's sum
+    still runs over all of k in order, so two threads give one thread's results bit for bit, through
+    every epilogue and both packed kinds, whichever thread took which unit."""
+    mod = native.load()
+    g = torch.Generator().manual_seed(n + k + rows)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    h = torch.randn(rows, n, generator=g).bfloat16()
+    p16, p32 = mod.pack_bf16(w, mod.ORDER_PLAIN), mod.pack_f32(w, mod.ORDER_PLAIN)
+    gate_up = mod.pack_bf16(w, mod.ORDER_GATE_UP) if n % 64 == 0 else None
+
+    def products() -> list[torch.Tensor]:
+        out = [mod.linear_packed(x, p16, n, b), mod.linear_packed(x, p32, n, b), mod.linear_packed(x, p16, n, None, True),
+               mod.linear_packed(x, p16, n, b, widen=True)]
+        added = h.clone()
+        mod.linear_packed_add_(added, x, p16)
+        out.append(added)
+        if gate_up is not None:
+            out.append(mod.silu_mul_packed(x, gate_up))
+        return out
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = products()
+        torch.set_num_threads(2)
+        two = products()
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, c) for a, c in zip(one, two))
+    assert _close_to_float(one[0], F.linear(x.float(), w.float(), b.float()), k)
+
+
 @pytest.mark.parametrize("path", PRODUCT_PATHS)
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_packed_epilogues_match_torch_ops(path, rows):

@@ -34,7 +34,9 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -332,13 +334,54 @@ void run_group(const Job& j, int64_t g, int64_t k0, int64_t k1, float* part) {
   if (part == nullptr) finish_parts(j, g, sums);
 }
 
-// Groups split evenly over the threads when they divide evenly; otherwise the (group, k-pair)
-// space is: the default model's o and down weights have 9 groups, so two threads took 5 and 4
-// and one waited a ninth of the time. A group cut at a thread's boundary is summed in two parts,
-// added up and finished after the parallel pass.
+// How the threads share a product. At fewer than kClaimRows rows (decode steps) each thread takes
+// a fixed share: the groups split evenly over the threads when they divide evenly; otherwise the
+// (group, k-pair) space is (the default model's o and down weights have 9 groups, so two threads
+// took 5 and 4 and one waited a ninth of the time), and a group cut at a thread's boundary is
+// summed in two parts, added up and finished after the parallel pass.
+//
+// From kClaimRows rows (prompt chunks) a fixed share made the product wait for the thread whose
+// core something else runs on (on two cores, a benchmark's client beside the server). There the
+// product is cut into units, a group over a range of rows (each output's sum still runs over all
+// of k, as at one thread), at least kUnitsPerThread a thread and a multiple of the thread count
+// where the rows allow, which the threads claim in turn from a counter: a thread slowed by another
+// process claims fewer, and with none slowed each claims as many.
+constexpr int64_t kClaimRows = 4 * kMaxRows;
+constexpr int64_t kUnitsPerThread = 8;
+
+// Rows [m0, m1) of j as a job of their own.
+Job rows_of(const Job& j, int64_t m0, int64_t m1) {
+  Job r = j;
+  r.x = j.x + m0 * j.K;
+  if (j.xf) r.xf = j.xf + m0 * j.K;
+  if (j.epilogue == kStoreF32)
+    r.y = static_cast<float*>(j.y) + m0 * j.N;
+  else
+    r.y = static_cast<bf16*>(j.y) + m0 * j.N;
+  r.M = m1 - m0;
+  return r;
+}
+
+void run_claimed(const Job& j, int64_t groups, int64_t T) {
+  const int64_t blocks = (j.M + kMaxRows - 1) / kMaxRows;
+  int64_t R = 1;  // row ranges a group
+  while (R < blocks && (groups * R < kUnitsPerThread * T || (groups * R) % T != 0)) ++R;
+  const int64_t units = groups * R;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, T, 1, [&](int64_t, int64_t) {
+    for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;
+         u = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t g = u / R, r = u % R;
+      const int64_t m0 = std::min(j.M, r * blocks / R * kMaxRows), m1 = std::min(j.M, (r + 1) * blocks / R * kMaxRows);
+      if (m1 > m0) run_group(R > 1 ? rows_of(j, m0, m1) : j, g, 0, j.steps(), nullptr);
+    }
+  });
+}
+
 void run(const Job& j) {
   const int64_t groups = j.epilogue == kSiluMul ? (j.N + kGroup / 2 - 1) / (kGroup / 2) : (j.N + kGroup - 1) / kGroup;
   const int64_t T = std::min<int64_t>(at::get_num_threads(), groups * j.steps());
+  if (T > 1 && j.M >= kClaimRows) return run_claimed(j, groups, T);
   if (T <= 1 || groups % T == 0) {
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) run_group(j, g, 0, j.steps(), nullptr);
