@@ -130,3 +130,32 @@ def test_the_driver_holds_no_weights(local_ray, offline):
     bundle, got = asyncio.run(run())
     assert bundle.model is None and bundle.kernels == "in the actors" and bundle.tokenizer is not None
     assert got == offline(ids)
+
+
+@pytest.mark.long
+def test_a_replay_whose_systems_all_run_on_ray_loads_no_weights(local_ray, tmp_path, monkeypatch):
+    """``replay`` loads the bundle its systems share once; where every system runs on Ray it keeps
+    the model's shape and tokenizer only (each actor loads the weights), and the replay serves
+    every request through the actors. The loader is the real one, watched for what it returned."""
+    import json
+
+    from aserve.commands import main
+    from aserve.commands import replay as replay_command
+
+    loaded = []
+    real = replay_command._tokenizer_and_context
+
+    def watched(*args, **kwargs):
+        loaded.append(real(*args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(replay_command, "_tokenizer_and_context", watched)
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "report.json"
+    trace.write_text("".join(json.dumps({"timestamp": 0.05 * i, "prompt_tokens": 24 + 7 * i, "output_tokens": 3 + i % 4})
+                             + "\n" for i in range(6)))
+    assert main(["replay", str(trace), "--cluster", "ray", "--mode", "coupled", "--instances", "1", "--dtype", "fp32",
+                 "--kv-cache-gb", "0.1", "--predictor", "none", "--no-warmup", "--no-progress", "--json", str(out)]) == 0
+    bundle = loaded[0][0]
+    assert bundle.model is None and bundle.kernels == "in the actors" and bundle.tokenizer is not None
+    (system,) = json.loads(out.read_text())["systems"].values()
+    assert system["completed"] == 6 and system["failed"] == system["aborted"] == 0, system

@@ -202,8 +202,10 @@ def _event_loop(specs):
     return run_virtual if sims == {True} else run_loop
 
 
-def _tokenizer_and_context(a: argparse.Namespace, engine):
-    """Over HTTP only the tokenizer is loaded; in-process the whole bundle (once, shared)."""
+def _tokenizer_and_context(a: argparse.Namespace, engine, weights: bool = True):
+    """Over HTTP only the tokenizer is loaded; in-process the whole bundle (once, shared), without
+    its weights where no system runs in this process (``weights=False``: every system on Ray, each
+    actor loading its own, as a Ray ``serve``'s driver does)."""
     if a.url:
         from transformers import AutoTokenizer
 
@@ -214,7 +216,7 @@ def _tokenizer_and_context(a: argparse.Namespace, engine):
         return None, AutoTokenizer.from_pretrained(path), ModelArgs.from_hf(read_config(path)).max_position
     from aserve.devices.factory import load_bundle
 
-    bundle = load_bundle(engine)
+    bundle = load_bundle(engine, weights)
     return bundle, bundle.tokenizer, bundle.args.max_position
 
 
@@ -258,7 +260,8 @@ def cmd_replay(a: argparse.Namespace) -> int:
 
     items = compare_items(a.compare, a) if a.compare else [(a.name, a)]
     slo = slo_from_args(a, items[0][1])  # a corner reads the (first) system's device
-    bundle, tokenizer, context = _tokenizer_and_context(a, bundle_engine(a))
+    in_process = any(getattr(system, "backend", "local") == "local" for _, system in items)
+    bundle, tokenizer, context = _tokenizer_and_context(a, bundle_engine(a), weights=in_process)
     builder = PromptBuilder(tokenizer, Path(a.prompts) if a.prompts else None, a.seed, chat=a.chat)
     count = (lambda text: len(builder.chat_ids(text))) if a.chat else \
         (lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
