@@ -260,7 +260,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
 
     items = compare_items(a.compare, a) if a.compare else [(a.name, a)]
     slo = slo_from_args(a, items[0][1])  # a corner reads the (first) system's device
-    in_process = any(getattr(system, "backend", "local") == "local" for _, system in items)
+    in_process = any(system.backend == "local" for _, system in items)  # else every actor loads its own weights
     bundle, tokenizer, context = _tokenizer_and_context(a, bundle_engine(a), weights=in_process)
     builder = PromptBuilder(tokenizer, Path(a.prompts) if a.prompts else None, a.seed, chat=a.chat)
     count = (lambda text: len(builder.chat_ids(text))) if a.chat else \

@@ -371,9 +371,9 @@ void run_claimed(const Job& j, int64_t groups, int64_t T) {
   at::parallel_for(0, T, 1, [&](int64_t, int64_t) {
     for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;
          u = next.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t g = u / R, r = u % R;
-      const int64_t m0 = std::min(j.M, r * blocks / R * kMaxRows), m1 = std::min(j.M, (r + 1) * blocks / R * kMaxRows);
-      if (m1 > m0) run_group(R > 1 ? rows_of(j, m0, m1) : j, g, 0, j.steps(), nullptr);
+      const int64_t g = u / R, r = u % R;  // R <= blocks: every range holds a block or more
+      const int64_t m0 = r * blocks / R * kMaxRows, m1 = std::min(j.M, (r + 1) * blocks / R * kMaxRows);
+      run_group(R > 1 ? rows_of(j, m0, m1) : j, g, 0, j.steps(), nullptr);
     }
   });
 }
