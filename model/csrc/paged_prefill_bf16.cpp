@@ -4,20 +4,30 @@
 // ctx - q_len + t and sees the keys at positions 0 .. that position (its own chunk's K/V is
 // already in the pool, written by the caller; earlier chunks' too).
 //
-// One work item is (sequence, block of 16 queries, KV head): 16 x G query heads against the key
-// tiles (16 keys) that the block's last query can see, with an online softmax per query head.
-// Per key tile:
+// One work item is (sequence, block of 16 queries, KV head): its 16 x G query heads, in groups of
+// 16 with a lane per query head, against the key tiles (16 keys) that the block's last query can
+// see, with an online softmax per query head. Per key tile:
 //
-//   K rows of the tile, transposed to pairs   kp[D/2][16 keys] (uint32 = two bf16 of one key)
-//   V rows widened to fp32                    vf[16 keys][D]
-//   scores of 8 query heads at once           s_u = sum_j vdpbf16ps(kp[j], broadcast q_u pair j)
-//                                             (8 independent chains: 16 keys' exact products a lane)
-//   online softmax                            running max / sum per query head, output rescaled
-//   values                                    acc_u[D] += p_u[key] * vf[key]   (fp32, four query
-//                                             heads at a time: one V load, 16 FMA chains)
+//   K rows of the tile, copied out of the pool  kt[16 keys][D/2]  (uint32 = two bf16 of one key)
+//   V rows in pairs of keys                     vp[8][D]   (uint32 = V[2i][d], V[2i+1][d])
+//   and per group of 16 query heads:
+//   scores, 16 keys at once                     s_t = sum_j vdpbf16ps(qt[j], broadcast kt[t][j])
+//                                               (qt: the group's pair j, a lane a head, transposed
+//                                               once per item; 16 independent chains)
+//   online softmax down the lanes               running max / sum per head with no reduction
+//                                               across lanes; the sums so far scaled by exp(old -
+//                                               new max), exactly 1 where the max did not move
+//   values                                      acc_u[D] += vdpbf16ps(vp[i], broadcast (p_u[2i],
+//                                               p_u[2i+1]) in bf16): the weights rounded to bf16
+//                                               for the dot products, as torch's CPU flash
+//                                               attention does, their fp32 sum the normaliser
 //
-// Measured on the 2-core AMD EPYC against torch's SDPA (its CPU flash kernel) on the same chunks:
-// see docs/BENCHMARKS.md ("Engine").
+// Each head's sums run over the keys in order whatever the heads beside it, so a query's output
+// does not depend on how the prompt was cut into chunks or which queries share its block.
+//
+// The default model's attention for a 1,024-token prompt in two chunks of 512, one layer, on the
+// 2-core AMD EPYC (Zen 5), ms at one / two threads: 9.2 / 5.6 with K transposed per tile, a lane
+// per key (a reduction across lanes per head and tile) and fp32 values; 4.4 / 2.2 now.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -50,64 +60,64 @@ struct Shape {
 };
 
 struct Scratch {  // one thread's buffers, reused across its items
-  std::vector<uint32_t> kp;  // [D/2][16]
-  std::vector<float> vf, p, m, l, acc;
-  void size(int64_t D, int64_t QH) {
-    kp.resize(D / 2 * 16);
-    vf.resize(16 * D);
-    p.resize(QH * 16);
-    m.resize(QH);
-    l.resize(QH);
-    acc.resize(QH * D);
+  std::vector<uint32_t> qt;  // [groups][D/2][16]: the item's query heads, 16 a group, pair j of each
+  std::vector<uint32_t> kt;  // [16][D/2]: the tile's K rows, copied out of the pool
+  std::vector<uint32_t> vp;  // [8][D]: the tile's V rows in pairs of keys (2i, 2i+1) for each d
+  std::vector<uint32_t> pp;  // [8][16]: the weights of the tile's key pairs, bf16 pairs, a lane a head
+  std::vector<float> alpha, m, l, pos, acc;
+  void size(int64_t D, int64_t groups) {
+    qt.resize(groups * D / 2 * 16);
+    kt.resize(16 * D / 2);
+    vp.resize(8 * D);
+    pp.resize(8 * 16);
+    alpha.resize(16);
+    m.resize(groups * 16);
+    l.resize(groups * 16);
+    pos.resize(groups * 16);
+    acc.resize(groups * 16 * D);
   }
 };
 
-// K and V rows of keys k0 .. k0 + kc for KV head h, into the tile buffers (missing keys zero)
+// Keys k0 .. k0 + kc of KV head h: K rows into kt (past kc: the last key's, masked out by the
+// caller), V rows paired into vp (past kc: zero)
 template <int D>
 void load_tile(const Shape& s, const int64_t* table, int64_t h, int64_t k0, int kc, Scratch& sc) {
-  const uint32_t* rows[16];
+  const bf16* vrow[16];
   for (int t = 0; t < 16; ++t) {
     const int64_t pos = k0 + std::min(t, kc - 1);
     const int64_t off = ((table[pos / s.BS] * s.BS + pos % s.BS) * s.H_kv + h) * D;
-    rows[t] = reinterpret_cast<const uint32_t*>(s.k + off);
-    for (int j = 0; j < D / 16; ++j)
-      _mm512_storeu_ps(sc.vf.data() + t * D + 16 * j,
-                       t < kc ? widen16(s.v + off + 16 * j) : _mm512_setzero_ps());
+    std::copy_n(reinterpret_cast<const uint32_t*>(s.k + off), D / 2, sc.kt.data() + t * (D / 2));
+    vrow[t] = s.v + off;
   }
-  for (int j = 0; j < D / 2; ++j)  // transpose: kp[j][t] = key t's pair j
-    for (int t = 0; t < 16; ++t) sc.kp[j * 16 + t] = t < kc ? rows[t][j] : 0u;
-}
-
-// 16 scores (one per key of the tile) for up to 8 query heads: qrows[u] points at query head u
-template <int D>
-void scores8(const Scratch& sc, const uint32_t* const* qrows, int nu, __m512* out) {
-  __m512 acc[8];
-  for (int u = 0; u < 8; ++u) acc[u] = _mm512_setzero_ps();
-  for (int j = 0; j < D / 2; ++j) {
-    const __m512bh kv = (__m512bh)_mm512_loadu_si512(sc.kp.data() + j * 16);
-#pragma GCC unroll 8
-    for (int u = 0; u < 8; ++u)
-      acc[u] = _mm512_dpbf16_ps(acc[u], kv, (__m512bh)_mm512_set1_epi32(static_cast<int>(qrows[u][j])));
-  }
-  for (int u = 0; u < nu; ++u) out[u] = acc[u];
-}
-
-// acc[qh .. qh + NV) += p . V over the tile's kc keys
-template <int D, int NV>
-inline void values(Scratch& sc, int64_t qh, int kc) {
-  __m512 a[NV][D / 16];
-  for (int u = 0; u < NV; ++u)
-    for (int j = 0; j < D / 16; ++j) a[u][j] = _mm512_loadu_ps(sc.acc.data() + (qh + u) * D + 16 * j);
-  for (int t = 0; t < kc; ++t) {
-    __m512 pt[NV];
-    for (int u = 0; u < NV; ++u) pt[u] = _mm512_set1_ps(sc.p[(qh + u) * 16 + t]);
+  for (int i = 0; i < 8; ++i)
     for (int j = 0; j < D / 16; ++j) {
-      const __m512 v = _mm512_loadu_ps(sc.vf.data() + t * D + 16 * j);
-      for (int u = 0; u < NV; ++u) a[u][j] = _mm512_fmadd_ps(pt[u], v, a[u][j]);
+      const __m512i a = 2 * i < kc ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * i] + 16 * j)))
+                                   : _mm512_setzero_si512();
+      const __m512i b = 2 * i + 1 < kc ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * i + 1] + 16 * j)))
+                                       : _mm512_setzero_si512();
+      _mm512_storeu_si512(sc.vp.data() + i * D + 16 * j, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+    }
+}
+
+// acc[u] (query heads lane0 .. lane0 + NV of the group) = acc[u] * alpha[u] + the tile's weights
+// . V, a pair of keys a vdpbf16ps, pairs in order
+template <int D, int NV>
+inline void values(Scratch& sc, float* acc, int lane0, int pairs) {
+  __m512 a[NV][D / 16];
+  for (int u = 0; u < NV; ++u) {
+    const __m512 al = _mm512_set1_ps(sc.alpha[lane0 + u]);
+    for (int j = 0; j < D / 16; ++j) a[u][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + (lane0 + u) * D + 16 * j), al);
+  }
+  for (int i = 0; i < pairs; ++i) {
+    __m512bh pt[NV];
+    for (int u = 0; u < NV; ++u) pt[u] = (__m512bh)_mm512_set1_epi32(static_cast<int>(sc.pp[i * 16 + lane0 + u]));
+    for (int j = 0; j < D / 16; ++j) {
+      const __m512bh v = (__m512bh)_mm512_loadu_si512(sc.vp.data() + i * D + 16 * j);
+      for (int u = 0; u < NV; ++u) a[u][j] = _mm512_dpbf16_ps(a[u][j], v, pt[u]);
     }
   }
   for (int u = 0; u < NV; ++u)
-    for (int j = 0; j < D / 16; ++j) _mm512_storeu_ps(sc.acc.data() + (qh + u) * D + 16 * j, a[u][j]);
+    for (int j = 0; j < D / 16; ++j) _mm512_storeu_ps(acc + (lane0 + u) * D + 16 * j, a[u][j]);
 }
 
 template <int D>
@@ -117,58 +127,83 @@ void prefill_item(const Shape& s, int64_t seq, int64_t qb, int64_t h, Scratch& s
   const int64_t r0 = start + 16 * qb, r1 = std::min(end, r0 + 16), nq = r1 - r0, G = s.G, QH = nq * G;
   const int64_t* table = s.tables + seq * s.max_blocks;
   const int64_t pos0 = first_pos + (r0 - start), last = pos0 + nq - 1;  // positions of the block's queries
-  sc.size(D, QH);
-  std::fill_n(sc.m.data(), QH, kNegInf);
-  std::fill_n(sc.l.data(), QH, 0.f);
-  std::fill_n(sc.acc.data(), QH * D, 0.f);
-  const uint32_t* qrow[16 * 8];  // query head qh = i * G + g: row r0 + i, head h * G + g
-  for (int64_t qh = 0; qh < QH; ++qh)
-    qrow[qh] = reinterpret_cast<const uint32_t*>(s.q + ((r0 + qh / G) * s.H + h * G + qh % G) * D);
-  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int64_t groups = (QH + 15) / 16;
+  sc.size(D, groups);
+  // query head qh = i * G + g: row r0 + i, head h * G + g; lanes past QH repeat the last head
+  for (int64_t qh = 0; qh < groups * 16; ++qh) {
+    const int64_t u = std::min(qh, QH - 1);
+    const uint32_t* row = reinterpret_cast<const uint32_t*>(s.q + ((r0 + u / G) * s.H + h * G + u % G) * D);
+    uint32_t* col = sc.qt.data() + (qh / 16) * (D / 2) * 16 + qh % 16;
+    for (int j = 0; j < D / 2; ++j) col[j * 16] = row[j];
+    sc.pos[qh] = static_cast<float>(pos0 + u / G);
+  }
+  std::fill_n(sc.m.data(), groups * 16, kNegInf);
+  std::fill_n(sc.l.data(), groups * 16, 0.f);
+  std::fill_n(sc.acc.data(), groups * 16 * D, 0.f);
+  const __m512 scale = _mm512_set1_ps(s.scale), ninf = _mm512_set1_ps(kNegInf), one = _mm512_set1_ps(1.f);
+  const uint32_t* kt = sc.kt.data();
   for (int64_t k0 = 0; k0 <= last; k0 += 16) {
     const int kc = static_cast<int>(std::min<int64_t>(16, last + 1 - k0));
     load_tile<D>(s, table, h, k0, kc, sc);
-    for (int64_t u0 = 0; u0 < QH; u0 += 8) {
-      const int nu = static_cast<int>(std::min<int64_t>(8, QH - u0));
-      const uint32_t* rows[8];
-      for (int u = 0; u < 8; ++u) rows[u] = qrow[u0 + std::min(u, nu - 1)];
-      __m512 sv[8];
-      scores8<D>(sc, rows, nu, sv);
-      for (int u = 0; u < nu; ++u) {
-        const int64_t qh = u0 + u, pos = pos0 + qh / G;
-        // key k0 + t is visible to the query at pos when k0 + t <= pos (and t < kc)
-        const __mmask16 live = _mm512_cmp_ps_mask(lane, _mm512_set1_ps(static_cast<float>(std::min<int64_t>(pos - k0, kc - 1))), _CMP_LE_OQ);
-        const __m512 sc_ = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), live, _mm512_mul_ps(sv[u], _mm512_set1_ps(s.scale)));
-        float* pq = sc.p.data() + qh * 16;
-        if (!live) {
-          _mm512_storeu_ps(pq, _mm512_setzero_ps());
-          continue;
-        }
-        const float old = sc.m[qh], mx = std::max(old, _mm512_reduce_max_ps(sc_));
-        if (mx > old) {
-          const float alpha = std::exp(old - mx);  // 0 on the first tile
-          float* a = sc.acc.data() + qh * D;
-          for (int j = 0; j < D / 16; ++j) _mm512_storeu_ps(a + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * j), _mm512_set1_ps(alpha)));
-          sc.l[qh] *= alpha;
-          sc.m[qh] = mx;
-        }
-        const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc_, _mm512_set1_ps(mx))));
-        sc.l[qh] += _mm512_reduce_add_ps(e);
-        _mm512_storeu_ps(pq, e);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t lanes = std::min<int64_t>(16, QH - 16 * g);
+      const int64_t lo = pos0 + (16 * g) / G, hi = pos0 + (16 * g + lanes - 1) / G;  // the group's positions
+      if (hi < k0) continue;  // no query of the group sees a key of this tile: nothing changes
+      const uint32_t* qt = sc.qt.data() + g * (D / 2) * 16;
+      __m512 sv[16];
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t) sv[t] = _mm512_setzero_ps();
+      for (int j = 0; j < D / 2; ++j) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt + j * 16);
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; ++t)
+          sv[t] = _mm512_dpbf16_ps(sv[t], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(kt[t * (D / 2) + j])));
       }
+      // key k0 + t is visible to the query at pos when k0 + t <= pos (and t < kc)
+      const bool diagonal = k0 + kc - 1 > lo;
+      const __m512 posv = _mm512_loadu_ps(sc.pos.data() + 16 * g);
+      __mmask16 live[16];
+      __m512 mx = _mm512_loadu_ps(sc.m.data() + 16 * g);
+      const __m512 old = mx;
+      for (int t = 0; t < 16; ++t) {
+        live[t] = t >= kc ? 0
+                  : diagonal ? _mm512_cmp_ps_mask(posv, _mm512_set1_ps(static_cast<float>(k0 + t)), _CMP_GE_OQ)
+                             : static_cast<__mmask16>(0xFFFF);
+        sv[t] = _mm512_mask_mov_ps(ninf, live[t], _mm512_mul_ps(sv[t], scale));
+        mx = _mm512_max_ps(mx, sv[t]);
+      }
+      // the sums so far scaled to the new max (exactly 1 where it did not move)
+      const __mmask16 moved = _mm512_cmp_ps_mask(mx, old, _CMP_GT_OQ);
+      const __m512 alpha = _mm512_mask_mov_ps(one, moved, exp16(_mm512_sub_ps(old, mx)));
+      __m512 l = _mm512_mul_ps(_mm512_loadu_ps(sc.l.data() + 16 * g), alpha);
+      const int pairs = (kc + 1) / 2;
+      for (int i = 0; i < pairs; ++i) {  // each key's weight, and a pair's two rounded to bf16 side by side
+        __m512i pair = _mm512_setzero_si512();
+        for (int b = 0; b < 2 && 2 * i + b < kc; ++b) {
+          const __m512 e = _mm512_maskz_mov_ps(live[2 * i + b], exp16(_mm512_sub_ps(sv[2 * i + b], mx)));
+          l = _mm512_add_ps(l, e);
+          const __m512i w = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e));
+          pair = _mm512_or_si512(pair, b ? _mm512_slli_epi32(w, 16) : w);
+        }
+        _mm512_storeu_si512(sc.pp.data() + i * 16, pair);
+      }
+      _mm512_storeu_ps(sc.m.data() + 16 * g, mx);
+      _mm512_storeu_ps(sc.l.data() + 16 * g, l);
+      _mm512_storeu_ps(sc.alpha.data(), alpha);
+      // values: kNV query heads at a time so each V load feeds kNV sums and 4 x kNV chains of
+      // FMAs run at once; each head's sum still runs over the keys in order
+      constexpr int kNV = D >= 128 ? 2 : 4;
+      float* acc = sc.acc.data() + 16 * g * D;
+      int u = 0;
+      for (; u + kNV <= lanes; u += kNV) values<D, kNV>(sc, acc, u, pairs);
+      for (; u < lanes; ++u) values<D, 1>(sc, acc, u, pairs);
     }
-    // values: acc += p . V over the tile's keys, kNV query heads at a time so each V load feeds
-    // kNV sums and 4 x kNV chains of FMAs run at once (one head alone ran 4 chains into the
-    // FMA's latency); each head's sum still runs over the keys in order: the same bits
-    constexpr int kNV = D >= 128 ? 2 : 4;
-    int64_t qh = 0;
-    for (; qh + kNV <= QH; qh += kNV) values<D, kNV>(sc, qh, kc);
-    for (; qh < QH; ++qh) values<D, 1>(sc, qh, kc);
   }
   for (int64_t qh = 0; qh < QH; ++qh) {
     bf16* dst = s.out + ((r0 + qh / G) * s.H + h * G + qh % G) * D;
     const float inv = 1.f / sc.l[qh];
-    for (int64_t d = 0; d < D; ++d) dst[d] = bf16(sc.acc[qh * D + d] * inv);
+    const float* a = sc.acc.data() + qh * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = bf16(a[d] * inv);
   }
 }
 
