@@ -300,7 +300,7 @@ def _wide_rows(shapes: tuple, threads: int) -> int:
     which widening is ``WIDE_GAIN`` faster at every larger size is taken. Where bf16 dot products
     issue at half the rate of fp32 FMAs (a 2-core Xeon with AVX512-BF16 and no AMX: 86 against 175
     GFLOP/s a core), widening wins once the rows are enough to make the products compute-bound
-    (1.3x at 16 rows, 1.6x from 64); where dot products issue at the FMA rate or above (Zen 4),
+    (1.3x at 16 rows, 1.6x from 64); where dot products issue at the FMA rate or above (Zen 5),
     it never does. ``ASERVE_WIDE_ROWS=N`` sets it (0: never)."""
     env = os.environ.get("ASERVE_WIDE_ROWS")
     if env is not None:
