@@ -430,12 +430,16 @@ def test_every_kernel_path_runs_a_bf16_step_close_to_fp32(kind, kernels, backend
 @needs_bf16
 @pytest.mark.parametrize("chunks", [[(0, 1)], [(0, 40)], [(0, 16), (30, 33)], [(100, 7), (0, 200), (17, 16)]])
 @pytest.mark.parametrize("block_size", [16, 8])
-def test_paged_prefill_matches_dense_causal(chunks, block_size):
+@pytest.mark.parametrize("layout", [(9, 3, 64), (8, 1, 32), (4, 4, 128)], ids=["9q-3kv-64", "8q-1kv-32", "4q-4kv-128"])
+def test_paged_prefill_matches_dense_causal(chunks, block_size, layout):
     """Prompt chunks (from position 0 or continuing earlier chunks; lengths under, at and over the
     kernel's 16-query blocks) attend causally to their request's cached keys: against a dense
-    fp32 computation, one request at a time."""
+    fp32 computation, one request at a time. Head layouts: the default model's (a block's 48 query
+    heads fill three groups of 16 lanes), 8 query heads a KV head with head size 32, and one with
+    head size 128 (a block's heads fill a group partly when its rows are few)."""
     g = torch.Generator().manual_seed(len(chunks) * block_size)
-    heads, kv_heads, d = 9, 3, 64
+    heads, kv_heads, d = layout
+    rep = heads // kv_heads
     ctxs = [before + n for before, n in chunks]
     nbs = [-(-c // block_size) for c in ctxs]
     k_cache = torch.randn(sum(nbs) + 2, block_size, kv_heads, d, generator=g).bfloat16()
@@ -451,8 +455,8 @@ def test_paged_prefill_matches_dense_causal(chunks, block_size):
     q = (torch.randn(start, heads, d, generator=g) * 2).bfloat16()
     got = native.paged_prefill(q, k_cache, v_cache, torch.tensor(seqs), tables, 0.125).float()
     for i, (s, e, ctx) in enumerate(seqs):
-        k = k_cache[tables[i]].reshape(-1, kv_heads, d)[:ctx].float().repeat_interleave(3, dim=1)
-        v = v_cache[tables[i]].reshape(-1, kv_heads, d)[:ctx].float().repeat_interleave(3, dim=1)
+        k = k_cache[tables[i]].reshape(-1, kv_heads, d)[:ctx].float().repeat_interleave(rep, dim=1)
+        v = v_cache[tables[i]].reshape(-1, kv_heads, d)[:ctx].float().repeat_interleave(rep, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), k) * 0.125
         pos = torch.arange(ctx - (e - s), ctx)
         scores = scores.masked_fill(torch.arange(ctx)[None, None, :] > pos[None, :, None], float("-inf"))
