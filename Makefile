@@ -29,6 +29,7 @@ CI_LONG ?= tests/test_bench_engine.py tests/test_cluster.py::test_cli_generate_d
 	tests/test_ray_cluster.py::test_same_greedy_output_as_in_process \
 	tests/test_ray_cluster.py::test_killed_actor_mid_run_loses_no_request \
 	tests/test_ray_cluster.py::test_a_replay_whose_systems_all_run_on_ray_loads_no_weights \
+	tests/test_ray_cluster.py::test_a_goodput_search_whose_systems_all_run_on_ray_loads_no_weights \
 	tests/test_ray_nodes.py \
 	tests/test_prefix_cache_engine.py::test_offline_engine_answers_as_without_the_cache_and_hits \
 	tests/test_soak.py::test_two_minute_soak_loses_nothing_and_leaks_nothing \

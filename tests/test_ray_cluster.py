@@ -159,3 +159,36 @@ def test_a_replay_whose_systems_all_run_on_ray_loads_no_weights(local_ray, tmp_p
     assert bundle.model is None and bundle.kernels == "in the actors" and bundle.tokenizer is not None
     (system,) = json.loads(out.read_text())["systems"].values()
     assert system["completed"] == 6 and system["failed"] == system["aborted"] == 0, system
+
+
+@pytest.mark.long
+def test_a_goodput_search_whose_systems_all_run_on_ray_loads_no_weights(local_ray, tmp_path, monkeypatch):
+    """``bench goodput`` loads the bundle its systems share once, as ``replay`` does: where every
+    system runs on Ray the driver keeps the model's shape and tokenizer only, and each probed rate
+    is replayed through the actors. The loader is the real one, watched for what it returned."""
+    import json
+
+    from aserve.commands import main
+    from aserve.devices import factory
+
+    loaded = []
+    real = factory.load_bundle
+
+    def watched(*args, **kwargs):
+        loaded.append(real(*args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(factory, "load_bundle", watched)
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "goodput.json"
+    trace.write_text("".join(json.dumps({"timestamp": 0.4 * i, "prompt_tokens": 16 + 9 * (i % 5),
+                                         "output_tokens": 3 + i % 4}) + "\n" for i in range(20)))
+    assert main(["bench", "goodput", str(trace), "--device", "cpu", "--cluster", "ray", "--mode", "coupled",
+                 "--instances", "1", "--dtype", "fp32", "--kv-cache-gb", "0.1", "--predictor", "none",
+                 "--slo", "balanced", "--max-points", "3", "--estimate-device", "sim:opt-13b-v100-32gb",
+                 "--no-progress", "--json", str(out)]) == 0
+    bundle = loaded[0]
+    assert bundle.model is None and bundle.kernels == "in the actors" and bundle.tokenizer is not None
+    (system,) = json.loads(out.read_text())["systems"].values()
+    assert 1 <= system["num_points"] == len(system["points_detail"]) <= 3, system
+    for point in system["points_detail"]:  # each rate replayed whole: every request answered, good or not
+        assert 0 <= point["attainment"] <= 1 and point["attainment"] == pytest.approx(point["good"] / 20), point

@@ -75,7 +75,8 @@ def run_goodput_command(a: argparse.Namespace) -> int:
     import sys
 
     console = Console(log_path=False) if sys.stdout.isatty() else Console(width=150, log_path=False)  # logs: no wrapping
-    bundle = load_bundle(bundle_engine(a))
+    in_process = any(system.backend == "local" for _, system in items)  # else every actor loads its own weights
+    bundle = load_bundle(bundle_engine(a), in_process)
     context = bundle.args.max_position
     raw = read_trace(a.trace, lambda text: len(bundle.tokenizer.encode(text, add_special_tokens=False)))
 
