@@ -132,6 +132,26 @@ def test_the_driver_holds_no_weights(local_ray, offline):
     assert got == offline(ids)
 
 
+def watch(monkeypatch, owner, name: str) -> list:
+    """Replace ``owner.name`` by the real function, recording what each call returned: the list."""
+    returned, real = [], getattr(owner, name)
+
+    def watched(*args, **kwargs):
+        returned.append(real(*args, **kwargs))
+        return returned[-1]
+
+    monkeypatch.setattr(owner, name, watched)
+    return returned
+
+
+def write_trace(path, n: int, gap_s: float, prompt) -> None:
+    """A trace of ``n`` requests ``gap_s`` apart, request i's prompt ``prompt(i)`` tokens, 3-6 out."""
+    import json
+
+    path.write_text("".join(json.dumps({"timestamp": gap_s * i, "prompt_tokens": prompt(i), "output_tokens": 3 + i % 4})
+                            + "\n" for i in range(n)))
+
+
 @pytest.mark.long
 def test_a_replay_whose_systems_all_run_on_ray_loads_no_weights(local_ray, tmp_path, monkeypatch):
     """``replay`` loads the bundle its systems share once; where every system runs on Ray it keeps
@@ -142,17 +162,9 @@ def test_a_replay_whose_systems_all_run_on_ray_loads_no_weights(local_ray, tmp_p
     from aserve.commands import main
     from aserve.commands import replay as replay_command
 
-    loaded = []
-    real = replay_command._tokenizer_and_context
-
-    def watched(*args, **kwargs):
-        loaded.append(real(*args, **kwargs))
-        return loaded[-1]
-
-    monkeypatch.setattr(replay_command, "_tokenizer_and_context", watched)
+    loaded = watch(monkeypatch, replay_command, "_tokenizer_and_context")
     trace, out = tmp_path / "trace.jsonl", tmp_path / "report.json"
-    trace.write_text("".join(json.dumps({"timestamp": 0.05 * i, "prompt_tokens": 24 + 7 * i, "output_tokens": 3 + i % 4})
-                             + "\n" for i in range(6)))
+    write_trace(trace, 6, 0.05, lambda i: 24 + 7 * i)
     assert main(["replay", str(trace), "--cluster", "ray", "--mode", "coupled", "--instances", "1", "--dtype", "fp32",
                  "--kv-cache-gb", "0.1", "--predictor", "none", "--no-warmup", "--no-progress", "--json", str(out)]) == 0
     bundle = loaded[0][0]
@@ -171,17 +183,9 @@ def test_a_goodput_search_whose_systems_all_run_on_ray_loads_no_weights(local_ra
     from aserve.commands import main
     from aserve.devices import factory
 
-    loaded = []
-    real = factory.load_bundle
-
-    def watched(*args, **kwargs):
-        loaded.append(real(*args, **kwargs))
-        return loaded[-1]
-
-    monkeypatch.setattr(factory, "load_bundle", watched)
+    loaded = watch(monkeypatch, factory, "load_bundle")
     trace, out = tmp_path / "trace.jsonl", tmp_path / "goodput.json"
-    trace.write_text("".join(json.dumps({"timestamp": 0.4 * i, "prompt_tokens": 16 + 9 * (i % 5),
-                                         "output_tokens": 3 + i % 4}) + "\n" for i in range(20)))
+    write_trace(trace, 20, 0.4, lambda i: 16 + 9 * (i % 5))
     assert main(["bench", "goodput", str(trace), "--device", "cpu", "--cluster", "ray", "--mode", "coupled",
                  "--instances", "1", "--dtype", "fp32", "--kv-cache-gb", "0.1", "--predictor", "none",
                  "--slo", "balanced", "--max-points", "3", "--estimate-device", "sim:opt-13b-v100-32gb",
