@@ -34,7 +34,6 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -78,6 +77,11 @@ struct Scratch {  // one thread's buffers, reused across its items
   }
 };
 
+// 16 lanes of bf16 pairs (first, second): lane i holds first[i] in its low half, second[i] in its high
+inline __m512i pairs16(__m256i first, __m256i second) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(first), _mm512_slli_epi32(_mm512_cvtepu16_epi32(second), 16));
+}
+
 // Keys k0 .. k0 + kc of KV head h: K rows into kt (past kc: the last key's, masked out by the
 // caller), V rows paired into vp (past kc: zero)
 template <int D>
@@ -89,14 +93,11 @@ void load_tile(const Shape& s, const int64_t* table, int64_t h, int64_t k0, int 
     std::copy_n(reinterpret_cast<const uint32_t*>(s.k + off), D / 2, sc.kt.data() + t * (D / 2));
     vrow[t] = s.v + off;
   }
+  auto row16 = [&](int t, int j) {  // V values 16 j .. 16 j + 16 of key t (zero past kc)
+    return t < kc ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[t] + 16 * j)) : _mm256_setzero_si256();
+  };
   for (int i = 0; i < 8; ++i)
-    for (int j = 0; j < D / 16; ++j) {
-      const __m512i a = 2 * i < kc ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * i] + 16 * j)))
-                                   : _mm512_setzero_si512();
-      const __m512i b = 2 * i + 1 < kc ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * i + 1] + 16 * j)))
-                                       : _mm512_setzero_si512();
-      _mm512_storeu_si512(sc.vp.data() + i * D + 16 * j, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
-    }
+    for (int j = 0; j < D / 16; ++j) _mm512_storeu_si512(sc.vp.data() + i * D + 16 * j, pairs16(row16(2 * i, j), row16(2 * i + 1, j)));
 }
 
 // acc[u] (query heads lane0 .. lane0 + NV of the group) = acc[u] * alpha[u] + the tile's weights
@@ -177,21 +178,21 @@ void prefill_item(const Shape& s, int64_t seq, int64_t qb, int64_t h, Scratch& s
       const __m512 alpha = _mm512_mask_mov_ps(one, moved, exp16(_mm512_sub_ps(old, mx)));
       __m512 l = _mm512_mul_ps(_mm512_loadu_ps(sc.l.data() + 16 * g), alpha);
       const int pairs = (kc + 1) / 2;
-      for (int i = 0; i < pairs; ++i) {  // each key's weight, and a pair's two rounded to bf16 side by side
-        __m512i pair = _mm512_setzero_si512();
-        for (int b = 0; b < 2 && 2 * i + b < kc; ++b) {
-          const __m512 e = _mm512_maskz_mov_ps(live[2 * i + b], exp16(_mm512_sub_ps(sv[2 * i + b], mx)));
-          l = _mm512_add_ps(l, e);
-          const __m512i w = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e));
-          pair = _mm512_or_si512(pair, b ? _mm512_slli_epi32(w, 16) : w);
-        }
-        _mm512_storeu_si512(sc.pp.data() + i * 16, pair);
+      auto weight = [&](int t) {  // key t's weights (e^(score - max)) added to the sums, in bf16 (zero past kc)
+        if (t >= kc) return _mm256_setzero_si256();
+        const __m512 e = _mm512_maskz_mov_ps(live[t], exp16(_mm512_sub_ps(sv[t], mx)));
+        l = _mm512_add_ps(l, e);
+        return (__m256i)_mm512_cvtneps_pbh(e);
+      };
+      for (int i = 0; i < pairs; ++i) {
+        const __m256i first = weight(2 * i);  // in key order: the sums add key 2i before 2i + 1
+        _mm512_storeu_si512(sc.pp.data() + i * 16, pairs16(first, weight(2 * i + 1)));
       }
       _mm512_storeu_ps(sc.m.data() + 16 * g, mx);
       _mm512_storeu_ps(sc.l.data() + 16 * g, l);
       _mm512_storeu_ps(sc.alpha.data(), alpha);
       // values: kNV query heads at a time so each V load feeds kNV sums and 4 x kNV chains of
-      // FMAs run at once; each head's sum still runs over the keys in order
+      // dot products run at once; each head's sum still runs over the key pairs in order
       constexpr int kNV = D >= 128 ? 2 : 4;
       float* acc = sc.acc.data() + 16 * g * D;
       int u = 0;
