@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from aserve.commands.common import bundle_engine
-from aserve.commands.replay import build_specs, compare_items, fit_options, predictor_lines
+from aserve.commands.replay import build_specs, compare_items, driver_computes, fit_options, predictor_lines
 from aserve.commands.slo_args import slo_from_args
 
 
@@ -75,8 +75,7 @@ def run_goodput_command(a: argparse.Namespace) -> int:
     import sys
 
     console = Console(log_path=False) if sys.stdout.isatty() else Console(width=150, log_path=False)  # logs: no wrapping
-    in_process = any(system.backend == "local" for _, system in items)  # else every actor loads its own weights
-    bundle = load_bundle(bundle_engine(a), in_process)
+    bundle = load_bundle(bundle_engine(a), driver_computes(items))
     context = bundle.args.max_position
     raw = read_trace(a.trace, lambda text: len(bundle.tokenizer.encode(text, add_special_tokens=False)))
 

@@ -202,6 +202,12 @@ def _event_loop(specs):
     return run_virtual if sims == {True} else run_loop
 
 
+def driver_computes(items) -> bool:
+    """Whether any of the (name, flags) systems computes in this process: where every one runs on
+    Ray, each actor loads its own weights and the driver needs the model's shape and tokenizer only."""
+    return any(system.backend == "local" for _, system in items)
+
+
 def _tokenizer_and_context(a: argparse.Namespace, engine, weights: bool = True):
     """Over HTTP only the tokenizer is loaded; in-process the whole bundle (once, shared), without
     its weights where no system runs in this process (``weights=False``: every system on Ray, each
@@ -260,8 +266,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
 
     items = compare_items(a.compare, a) if a.compare else [(a.name, a)]
     slo = slo_from_args(a, items[0][1])  # a corner reads the (first) system's device
-    in_process = any(system.backend == "local" for _, system in items)  # else every actor loads its own weights
-    bundle, tokenizer, context = _tokenizer_and_context(a, bundle_engine(a), weights=in_process)
+    bundle, tokenizer, context = _tokenizer_and_context(a, bundle_engine(a), weights=driver_computes(items))
     builder = PromptBuilder(tokenizer, Path(a.prompts) if a.prompts else None, a.seed, chat=a.chat)
     count = (lambda text: len(builder.chat_ids(text))) if a.chat else \
         (lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
