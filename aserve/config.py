@@ -35,6 +35,7 @@ class EngineConfig:
     # at their contexts, leave of the step time the budget was sized for: scheduling/coupled.py StepRoom)
     step_budget: str = "fixed"
     step_limit_s: Optional[float] = None  # sized: the step time a step's prompts fill (None: tbt_slo's)
+    step_limit_alone_s: Optional[float] = None  # sized: the same for a step with no decodes (None: step_limit_s)
     max_num_seqs: int = 256
     batching: str = "sarathi"  # coupled policy: sarathi | vllm | alise
     swap_gb: float = 0.25  # host swap space for preempted KV (alise, decode swap)
@@ -78,6 +79,8 @@ class EngineConfig:
             raise ValueError(f"--tbt-slo must be > 0 seconds, got {self.tbt_slo}")
         if self.step_limit_s is not None and not self.step_limit_s > 0:
             raise ValueError(f"--step-limit must be > 0 seconds, got {self.step_limit_s}")
+        if self.step_limit_alone_s is not None and not self.step_limit_alone_s > 0:
+            raise ValueError(f"step_limit_alone_s must be > 0 seconds, got {self.step_limit_alone_s}")
         if self.step_budget not in STEP_BUDGETS:
             raise ValueError(f"bad step_budget {self.step_budget!r}: choose one of {', '.join(STEP_BUDGETS)}")
         if not (self.device == "cpu" or self.device.startswith("cuda") or self.device.startswith("sim:")):

@@ -16,13 +16,15 @@
 # Not in CI: about 20 minutes on this 2-core machine once the venvs exist (an hour with the
 # installs), and it needs the whole machine (run it with nothing else running). Servers:
 #   aserve          `make serve` (the default configuration: --mode coupled --instances 2 --batching sarathi,
-#                   an idle instance's core lent to the other's steps, steps sized at their decodes' contexts)
+#                   an idle instance's core lent to the other's steps, steps sized at their decodes' contexts
+#                   within the SLO's TPOT, a step with no decodes within its token gap)
 #   aserve-disagg   --mode disagg --prefill 1 --decode 1 (TetriInfer's split; serve's default until issue 28)
 #   aserve-adaptive --mode adaptive (1P+1D to start; each instance also prefills, issue 24)
 #   aserve-shared   make serve with --device-share shared (one core an instance always: serve before issue 60)
 #   aserve-b256     make serve with --max-num-batched-tokens 256 (instead of the budget the SLO sizes)
 #   aserve-fixed    make serve with --step-budget fixed (every step within that budget: serve before sized steps)
-#   aserve-tpot     make serve with --step-limit tpot (steps sized to the SLO's TPOT, not its token gap)
+#   aserve-gap      make serve with --step-limit gap (every step sized to the SLO's token gap: serve's default
+#                   before 2026-12-01)
 #   vllm-default    vLLM CPU as installed (computes on 1 core, reserves 1)
 #   vllm-best       vLLM CPU on both cores: VLLM_CPU_OMP_THREADS_BIND=0-1, no reserved core
 #                   (VLLM_CPU_NUM_OF_RESERVED_CPU=0); its best configuration on this machine
@@ -81,7 +83,7 @@ start_server() {  # $1: server name; echoes the pid
     aserve-shared)   cd "$ROOT" && exec "${aserve[@]}" --device-share shared ;;
     aserve-b256)     cd "$ROOT" && exec "${aserve[@]}" --max-num-batched-tokens 256 ;;
     aserve-fixed)    cd "$ROOT" && exec "${aserve[@]}" --step-budget fixed ;;
-    aserve-tpot)     cd "$ROOT" && exec "${aserve[@]}" --step-limit tpot ;;
+    aserve-gap)      cd "$ROOT" && exec "${aserve[@]}" --step-limit gap ;;
     vllm-default)    exec "${vllm[@]}" ;;
     vllm-best)       VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 exec "${vllm[@]}" ;;
     *) echo "unknown server $1" >&2; return 1 ;;

@@ -52,20 +52,30 @@ class StepRoom:
     limit_s: float
     step_s: Callable[[int, int, int, int], float]
     tile: int = 16  # rows are sized in multiples of this
+    # the limit of a step with no decodes (None: ``limit_s``): no decode's mean is at stake there,
+    # only the one step a request arriving meanwhile waits for (serve: the SLO's token gap where
+    # ``limit_s`` is its TPOT)
+    alone_s: Optional[float] = None
 
     def __post_init__(self):
-        if not self.limit_s > 0 or self.tile < 1:
-            raise ValueError(f"step room needs limit_s > 0 and tile >= 1, got {self.limit_s}, {self.tile}")
+        if not self.limit_s > 0 or self.tile < 1 or (self.alone_s is not None and not self.alone_s > 0):
+            raise ValueError(f"step room needs limit_s > 0, alone_s > 0 and tile >= 1, got {self.limit_s}, "
+                             f"{self.alone_s}, {self.tile}")
+
+    def limit(self, decodes: int) -> float:
+        """The limit of a step with ``decodes`` decode rows."""
+        return self.alone_s if decodes == 0 and self.alone_s is not None else self.limit_s
 
     def rows(self, decodes: int, context: int, start: int, most: int) -> int:
         """Prompt rows beside ``decodes`` decode rows reading ``context`` tokens, the chunk after
         ``start`` cached tokens: the most, up to ``most``, within the limit (0 if none fits)."""
-        if most <= 0 or self.step_s(most, start, decodes, context) <= self.limit_s:
+        limit = self.limit(decodes)
+        if most <= 0 or self.step_s(most, start, decodes, context) <= limit:
             return max(0, most)
         lo, hi = 0, most  # lo fits (no rows), hi does not: a step's time grows with its rows
         while hi - lo > self.tile:
             mid = (lo + hi) // 2
-            if self.step_s(mid, start, decodes, context) <= self.limit_s:
+            if self.step_s(mid, start, decodes, context) <= limit:
                 lo = mid
             else:
                 hi = mid

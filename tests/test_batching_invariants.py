@@ -220,6 +220,45 @@ def test_step_room_is_the_most_rows_within_the_limit():
     assert room.rows(10, 40_000, 0, 10_000) == 0  # the decodes alone fill the limit
     with pytest.raises(ValueError, match="limit_s"):
         StepRoom(0.0, _toy_step_s)
+    with pytest.raises(ValueError, match="alone_s"):
+        StepRoom(0.3, _toy_step_s, alone_s=0.0)
+
+
+def test_a_step_with_no_decodes_fills_its_own_limit():
+    """``alone_s`` is the limit of a step with no decodes; a step with any decode keeps
+    ``limit_s``; without ``alone_s`` every step keeps ``limit_s``."""
+    room, one = StepRoom(0.05, _toy_step_s, alone_s=0.3), StepRoom(0.05, _toy_step_s)
+    alone = room.rows(0, 0, 0, 10_000)
+    assert _toy_step_s(alone, 0, 0, 0) <= 0.3 < _toy_step_s(alone + 32, 0, 0, 0)  # the most, to a tile's rounding
+    assert one.rows(0, 0, 0, 10_000) < alone
+    assert room.rows(1, 100, 0, 10_000) == one.rows(1, 100, 0, 10_000) < alone
+    assert room.limit(0) == 0.3 and room.limit(1) == one.limit(0) == 0.05
+
+
+def test_a_lone_prompt_runs_in_fewer_steps_than_one_beside_decodes():
+    """Sized steps at a short limit with a longer one for steps with no decodes: a prompt alone
+    runs in the steps the longer limit allows; the same prompt beside a decode is cut to the
+    short limit's rows, the budget a floor."""
+    def run(decoding: bool) -> list[int]:
+        room = StepRoom(0.05, _toy_step_s, alone_s=0.3)
+        sched = registry.get("batching", "sarathi")(BlockManager(2000, 16), BatchingConfig(32, 8, step_room=room))
+        if decoding:
+            sched.add_request(Request("d", [5] * 20, SamplingParams(max_tokens=500)))
+            while not sched.requests["d"].output_token_ids:
+                out = sched.schedule()
+                sched.update(out, StepOutput(sampled={rid: 7 for rid in out.sampled_ids}))
+        sched.add_request(Request("p", [9] * 400, SamplingParams(max_tokens=2)))
+        chunks = []
+        while not sched.requests["p"].output_token_ids:
+            out = sched.schedule()
+            chunks.append(out.num_scheduled_tokens["p"])
+            sched.update(out, StepOutput(sampled={rid: 7 for rid in out.sampled_ids}))
+        return chunks
+
+    alone, beside = run(False), run(True)
+    assert sum(alone) == sum(beside) == 400
+    assert len(alone) < len(beside)
+    assert max(beside) <= max(32 - 1, StepRoom(0.05, _toy_step_s).rows(1, 21, 0, 400))
 
 
 def test_sized_steps_give_prompts_what_short_decodes_leave():
@@ -249,7 +288,7 @@ def test_sized_steps_give_prompts_what_short_decodes_leave():
 def test_sized_sarathi_steps_stay_within_the_room(seed, mix):
     """With a step room every step is within its limit (or within the budget, the floor), no
     decode stalls, and every request ends with its tokens and blocks back."""
-    room = StepRoom(0.06, _toy_step_s)
+    room = StepRoom(0.06, _toy_step_s, alone_s=0.09)
     sched = registry.get("batching", "sarathi")(BlockManager(48, BLOCK_SIZE), BatchingConfig(32, 8, step_room=room))
     floor = sched.max_num_batched_tokens
 
@@ -258,7 +297,8 @@ def test_sized_sarathi_steps_stay_within_the_room(seed, mix):
                    if rid in out.num_scheduled_tokens and out.num_scheduled_tokens[rid] == 1 and not in_prefill]
         rows = out.num_real_tokens - len(decodes)
         context = sum(sched.requests[rid].num_tokens for rid in decodes if rid in sched.requests)
-        assert out.num_real_tokens <= floor or _toy_step_s(rows, 0, len(decodes), context) <= room.limit_s + 1e-9
+        limit = room.limit(len(decodes))
+        assert out.num_real_tokens <= floor or _toy_step_s(rows, 0, len(decodes), context) <= limit + 1e-9
         for rid, (in_prefill, status) in before.items():
             if status.name == "RUNNING" and not in_prefill:
                 assert rid in out.num_scheduled_tokens or rid in out.preempted_ids, f"decode {rid} stalled"

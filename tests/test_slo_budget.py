@@ -169,11 +169,12 @@ def test_serve_names_its_slo_and_profiles_nothing_it_does_not_need(capsys):
         serve_slo(build_parser().parse_args(["serve", "--slo", "tight"]))
 
 
-def test_serve_sizes_each_step_at_the_slos_token_gap():
+def test_serve_sizes_each_step_at_the_slos_tpot():
     """serve (coupled sarathi) sizes a step's prompts at its decodes' contexts within the SLO's
-    token-gap limit (``--step-limit gap``), the token budget a floor: its schedulers carry that
-    room, and the start-up line says so. ``--step-limit tpot`` / seconds, ``--step-budget fixed``
-    and a given ``--max-num-batched-tokens`` change it; a bad limit is named."""
+    TPOT limit (``--step-limit tpot``), a step with no decodes within its token gap, the token
+    budget a floor: its schedulers carry that room, and the start-up line says so. ``--step-limit
+    gap`` / seconds (one limit for every step), ``--step-budget fixed`` and a given
+    ``--max-num-batched-tokens`` change it; a bad limit is named."""
     from aserve.commands.serve import serve_slo, slo_line
     from aserve.devices.measured import instance_threads, measured_cost, model_context, step_room
     from aserve.engine.policies import Policies
@@ -185,17 +186,27 @@ def test_serve_sizes_each_step_at_the_slos_token_gap():
 
     a, slo, engine, cluster = serve()
     ctx = engine.budget_context or model_context(engine)  # the simulated model's context window
-    assert engine.step_budget == "sized" and engine.step_limit_s == pytest.approx(slo.step_limit_s(ctx, ("token_gap",)))
-    assert engine.step_limit_s == engine.tbt_slo  # the time the budget itself is sized for
+    gap = slo.step_limit_s(ctx, ("token_gap",))
+    assert engine.step_budget == "sized" and engine.step_limit_s == pytest.approx(slo.step_limit_s(ctx))
+    assert engine.step_limit_s < gap == pytest.approx(engine.step_limit_alone_s)
+    assert gap == engine.tbt_slo  # the time the budget itself is sized for
     room = Policies.from_configs(engine, cluster, step_room(engine, cluster)).batching_config.step_room
     cost = measured_cost(engine, instance_threads(engine, cluster))  # the device's cost model
-    assert room is not None and room.limit_s == engine.step_limit_s
+    assert room is not None and room.limit_s == engine.step_limit_s and room.alone_s == engine.step_limit_alone_s
     assert room.step_s(64, 100, 4, 1200) == cost.room_step_s(64, 100, 4, 1200) == cost.step_s([(64, 100)], [300] * 4, num_sampled=5)
-    assert f"leave room in {engine.step_limit_s * 1000:.0f} ms" in slo_line(a, slo, engine, cluster)
-    # beside few short decodes a step holds far more than the budget sized for 32 at the whole context
+    line = slo_line(a, slo, engine, cluster)
+    assert f"leave room in {engine.step_limit_s * 1000:.0f} ms ({gap * 1000:.0f} ms in a step with no decodes)" in line
+    # a prompt alone gets the token gap's rows: more than the budget, sized for 32 decodes at the
+    # whole context in that time, and more than beside one decode at TPOT
+    assert room.rows(0, 0, 0, 1 << 14) > max(engine.max_num_batched_tokens, room.rows(1, 10, 0, 1 << 14))
+    assert serve("--step-limit", "tpot")[2] == engine
+    engine, cluster = serve("--step-limit", "gap")[2:]
+    assert engine.step_limit_s == pytest.approx(gap) and engine.step_limit_alone_s is None
+    room = Policies.from_configs(engine, cluster, step_room(engine, cluster)).batching_config.step_room
+    # beside few short decodes a step within the gap holds far more than the budget
     assert room.rows(4, 4 * 300, 0, 1 << 14) > engine.max_num_batched_tokens
-    assert serve("--step-limit", "tpot")[2].step_limit_s == pytest.approx(slo.step_limit_s(ctx))
     assert serve("--step-limit", "0.25")[2].step_limit_s == 0.25
+    assert serve("--step-limit", "0.25")[2].step_limit_alone_s is None
     for flags in (["--step-budget", "fixed"], ["--max-num-batched-tokens", "256"]):
         engine, cluster = serve(*flags)[2:]
         assert engine.step_budget == "fixed" and step_room(engine, cluster) is None

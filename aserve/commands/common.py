@@ -13,8 +13,8 @@ import argparse
 import json
 from typing import Optional
 
-from aserve.commands.slo_budget import (engine_tbt, prefill_tbt_arg, slo_cluster, step_limit, step_limit_arg,
-                                        tbt_slo_arg)
+from aserve.commands.slo_budget import (engine_tbt, prefill_tbt_arg, slo_cluster, step_limit, step_limit_alone,
+                                        step_limit_arg, tbt_slo_arg)
 
 
 def add_switches(g, table) -> None:
@@ -56,8 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "else fixed")
     g.add_argument("--step-limit", type=step_limit_arg, default=None, metavar="tpot|gap|SECONDS",
                    help="--step-budget sized: the step time a step's prompts fill, from the SLO in force (gap = "
-                        "its token-gap limit, tpot = the smaller of its TPOT and token-gap limits) or seconds. "
-                        "Default: gap where an SLO is in force, else the token budget's own step time")
+                        "its token-gap limit; tpot = the smaller of its TPOT and token-gap limits, and a step with "
+                        "no decodes its token gap) or seconds. Default: tpot where an SLO is in force, else the "
+                        "token budget's own step time")
     g.add_argument("--max-num-seqs", type=int, default=256, help="requests in one batch at most")
     g.add_argument("--batching", default="sarathi", help="coupled batching policy: sarathi | vllm | alise")
     g.add_argument("--swap-gb", type=float, default=0.25, help="host swap space for preempted KV, GiB")
@@ -354,6 +355,7 @@ def engine_config(a: argparse.Namespace, context: Optional[int] = None, derive: 
                         kv_cache_gb=a.kv_cache_gb, max_num_batched_tokens=budget, tbt_slo=tbt,
                         budget_context=context, step_budget=sized,
                         step_limit_s=step_limit(a, slo, context) if sized == "sized" else None,
+                        step_limit_alone_s=step_limit_alone(a, slo, context) if sized == "sized" else None,
                         max_num_seqs=a.max_num_seqs, batching=a.batching, swap_gb=a.swap_gb,
                         swap_dtype=a.swap_dtype, num_threads=a.threads, enforce_eager=a.enforce_eager, fused_step=a.fused_step,
                         enable_prefix_caching=a.enable_prefix_caching, cache_dir=a.cache_dir, seed=a.seed,

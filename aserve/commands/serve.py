@@ -150,6 +150,8 @@ def slo_line(a: argparse.Namespace, slo, engine, cluster) -> str:
         limit = engine.step_limit_s or engine.tbt_slo
         budget += ("; a step's prompts may take more, as far as its decodes' contexts leave room in "
                    + (f"{limit * 1000:.0f} ms" if limit else "that time"))
+        if engine.step_limit_alone_s is not None:
+            budget += f" ({engine.step_limit_alone_s * 1000:.0f} ms in a step with no decodes)"
     return f"{line}; {budget}"
 
 

@@ -122,15 +122,30 @@ def engine_tbt(a: argparse.Namespace, slo, context: Optional[int]) -> Optional[f
 
 def step_limit(a: argparse.Namespace, slo, context: Optional[int]) -> Optional[float]:
     """``--step-limit`` in seconds, the time sized steps fill (``--step-budget sized``): by default
-    the SLO's ``gap`` rule (a step is a token's gap: the budget's own step time where the SLO sizes
-    it) where an SLO with a TPOT or token-gap limit is in force, else None (the token budget's own
-    step time). ``tpot`` (every step within the mean a token may take) lost to it on the peer
-    table: at 32 streams of 256-token prompts 213 against 236 tokens/s, TTFT median 2.5 against
-    1.8 s (docs/notes/peer.md)."""
+    the SLO's ``tpot`` rule (every step a decode runs in within the mean a token may take, so a
+    decode's TPOT holds whatever its steps hold) where an SLO with a TPOT or token-gap limit is in
+    force, else None (the token budget's own step time). ``gap`` (each step within the token gap)
+    was the default until the peer table at 32 streams of 1,024-token prompts read an ITL median of
+    270 ms against 115 with ``tpot``, at the same tokens/s (docs/notes/peer.md, eighth session)."""
+    choice = _step_choice(a, slo)
+    return None if choice is None else _step_limit(choice, a, slo, context, "--step-limit")
+
+
+def step_limit_alone(a: argparse.Namespace, slo, context: Optional[int]) -> Optional[float]:
+    """The limit of a sized step with no decodes, in seconds (None: ``step_limit``'s): under the
+    ``tpot`` rule, the SLO's token gap. No decode's mean is at stake in such a step, only the one
+    step a request arriving meanwhile waits for; a lone prompt cut to TPOT-sized chunks reached
+    its first token later (256 tokens at one stream: 116 against 93 ms)."""
+    if _step_choice(a, slo) != "tpot":
+        return None
+    return _step_limit("gap", a, slo, context, "--step-limit")
+
+
+def _step_choice(a: argparse.Namespace, slo):
     choice = getattr(a, "step_limit", None)
     if choice is None:
-        choice = "gap" if slo is not None and _sizes(slo) else None
-    return None if choice is None else _step_limit(choice, a, slo, context, "--step-limit")
+        choice = "tpot" if slo is not None and _sizes(slo) else None
+    return choice
 
 
 def prefill_tbt(a: argparse.Namespace, slo, context: Optional[int], engine) -> Optional[float]:

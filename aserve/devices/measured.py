@@ -136,14 +136,14 @@ def _sized_budget(engine: EngineConfig, c, slo_s: float, context: Optional[int] 
 def step_room(engine: EngineConfig, cluster: Optional[ClusterConfig] = None):
     """Sarathi batching with ``step_budget`` sized: the ``StepRoom`` of each instance's steps, at
     ``step_limit_s`` (else the step time the budget is sized for: ``tbt_slo``, else 5x a 32-decode
-    step at the budget context) on the device's cost model at the instances' threads; else None
-    (the budget alone)."""
+    step at the budget context; a step with no decodes at ``step_limit_alone_s`` where given) on the
+    device's cost model at the instances' threads; else None (the budget alone)."""
     if engine.step_budget != "sized" or engine.batching != "sarathi":
         return None
     from scheduling.coupled import StepRoom
 
     c = measured_cost(engine, instance_threads(engine, cluster))
-    return StepRoom(engine.step_limit_s or _budget_step_s(engine, c), c.room_step_s)
+    return StepRoom(engine.step_limit_s or _budget_step_s(engine, c), c.room_step_s, alone_s=engine.step_limit_alone_s)
 
 
 def _placement_costs(cost) -> dict:
