@@ -13,8 +13,8 @@ import argparse
 import json
 from typing import Optional
 
-from aserve.commands.slo_budget import (engine_tbt, prefill_tbt_arg, slo_cluster, step_limit, step_limit_alone,
-                                        step_limit_arg, tbt_slo_arg)
+from aserve.commands.slo_budget import (engine_tbt, prefill_tbt_arg, slo_cluster, step_limit_arg, step_limits,
+                                        tbt_slo_arg)
 
 
 def add_switches(g, table) -> None:
@@ -350,12 +350,12 @@ def engine_config(a: argparse.Namespace, context: Optional[int] = None, derive: 
         budget = DEFAULT_TOKEN_BUDGET
     tbt = engine_tbt(a, slo, context) if budget is None else (a.tbt_slo if isinstance(a.tbt_slo, float) else None)
     sized = step_budget(a)
+    limit, alone = step_limits(a, slo, context) if sized == "sized" else (None, None)
     return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, attention=a.attention, kernels=a.kernels,
                         block_size=a.block_size,
                         kv_cache_gb=a.kv_cache_gb, max_num_batched_tokens=budget, tbt_slo=tbt,
                         budget_context=context, step_budget=sized,
-                        step_limit_s=step_limit(a, slo, context) if sized == "sized" else None,
-                        step_limit_alone_s=step_limit_alone(a, slo, context) if sized == "sized" else None,
+                        step_limit_s=limit, step_limit_alone_s=alone,
                         max_num_seqs=a.max_num_seqs, batching=a.batching, swap_gb=a.swap_gb,
                         swap_dtype=a.swap_dtype, num_threads=a.threads, enforce_eager=a.enforce_eager, fused_step=a.fused_step,
                         enable_prefix_caching=a.enable_prefix_caching, cache_dir=a.cache_dir, seed=a.seed,

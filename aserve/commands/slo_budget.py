@@ -120,32 +120,23 @@ def engine_tbt(a: argparse.Namespace, slo, context: Optional[int]) -> Optional[f
     return None if choice == "device" else _step_limit(choice, a, slo, context, "--tbt-slo")
 
 
-def step_limit(a: argparse.Namespace, slo, context: Optional[int]) -> Optional[float]:
-    """``--step-limit`` in seconds, the time sized steps fill (``--step-budget sized``): by default
-    the SLO's ``tpot`` rule (every step a decode runs in within the mean a token may take, so a
-    decode's TPOT holds whatever its steps hold) where an SLO with a TPOT or token-gap limit is in
-    force, else None (the token budget's own step time). ``gap`` (each step within the token gap)
-    was the default until the peer table at 32 streams of 1,024-token prompts read an ITL median of
-    270 ms against 115 with ``tpot``, at the same tokens/s (docs/notes/peer.md, eighth session)."""
-    choice = _step_choice(a, slo)
-    return None if choice is None else _step_limit(choice, a, slo, context, "--step-limit")
-
-
-def step_limit_alone(a: argparse.Namespace, slo, context: Optional[int]) -> Optional[float]:
-    """The limit of a sized step with no decodes, in seconds (None: ``step_limit``'s): under the
-    ``tpot`` rule, the SLO's token gap. No decode's mean is at stake in such a step, only the one
-    step a request arriving meanwhile waits for; a lone prompt cut to TPOT-sized chunks reached
-    its first token later (256 tokens at one stream: 116 against 93 ms)."""
-    if _step_choice(a, slo) != "tpot":
-        return None
-    return _step_limit("gap", a, slo, context, "--step-limit")
-
-
-def _step_choice(a: argparse.Namespace, slo):
+def step_limits(a: argparse.Namespace, slo, context: Optional[int]) -> tuple:
+    """``--step-limit`` in seconds, the time sized steps fill (``--step-budget sized``), and the
+    limit of a step with no decodes (None: the first). By default the SLO's ``tpot`` rule where an
+    SLO with a TPOT or token-gap limit is in force (every step a decode runs in within the mean a
+    token may take, so a decode's TPOT holds whatever its steps hold; a step with no decodes within
+    the token gap: no decode's mean is at stake there, and a lone prompt cut to TPOT-sized chunks
+    reached its first token later, 256 tokens at one stream 116 against 93 ms), else (None, None):
+    the token budget's own step time. ``gap`` (each step within the token gap) was the default
+    until the peer table at 32 streams of 1,024-token prompts read an ITL median of 270 ms against
+    115 with ``tpot``, at the same tokens/s (docs/notes/peer.md, eighth session)."""
     choice = getattr(a, "step_limit", None)
     if choice is None:
         choice = "tpot" if slo is not None and _sizes(slo) else None
-    return choice
+    if choice is None:
+        return None, None
+    alone = _step_limit("gap", a, slo, context, "--step-limit") if choice == "tpot" else None
+    return _step_limit(choice, a, slo, context, "--step-limit"), alone
 
 
 def prefill_tbt(a: argparse.Namespace, slo, context: Optional[int], engine) -> Optional[float]:
