@@ -50,8 +50,8 @@ import torch.nn.functional as F
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [str(_CSRC / name) for name in
             ("paged_attention.cpp", "paged_decode_bf16.cpp", "paged_prefill_bf16.cpp", "gemm_bf16.cpp",
-             "llama_forward.cpp")]
-_VERSION = "aserve_native_v11"
+             "gemm_f32.cpp", "llama_forward.cpp")]
+_VERSION = "aserve_native_v12"
 _HEADERS = [str(_CSRC / "kernels.h")]
 KERNELS = ("auto", "native", "unfused", "fallback")  # EngineConfig.kernels (see the module doc)
 
@@ -195,6 +195,12 @@ def bf16_linear_available() -> bool:
     return available() and load().has_bf16_linear()
 
 
+@functools.lru_cache(maxsize=1)
+def f32_linear_available() -> bool:
+    """True where the kernels build with AVX2 FMAs: an fp32 model's products go to ``linear_f32``."""
+    return available() and load().has_f32_linear()
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [B, H, D]; caches [num_blocks, block_size, H_kv, D]; returns [B, H, D]."""
@@ -209,6 +215,33 @@ def packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.shape[1] % 2 == 0
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and bf16_linear_available())
+
+
+def f32_packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a product of ``x`` and ``weight`` can go to our fp32 kernel (``linear_f32``): fp32
+    CPU tensors, nothing for autograd to track, AVX2 FMAs. An fp32 model is what runs on a CPU
+    without AVX512-BF16 (``loader.pick_dtype``), where torch's product packed the weight at every
+    call: the default model's decode step took 60 ms of products at 1 row and 173 at 8 rows on a
+    2-core Zen 3 (docs/notes/peer.md, "Issue 60, tenth session")."""
+    return (x.dtype is torch.float32 and weight.dtype is torch.float32 and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and f32_linear_available())
+
+
+def packed_f32(weight: torch.Tensor) -> torch.Tensor:
+    """The ``linear_f32`` copy of an fp32 ``weight`` [N, K] (``pack_f32x32``), made on first use
+    and remade if the weight changed since (as ``packed``)."""
+    cached = getattr(weight, "_aserve_packed_f32", None)
+    if cached is not None and cached[0] == weight._version and cached[1] == weight.data_ptr():
+        return cached[2]
+    p = load().pack_f32x32(weight.detach())
+    setattr(weight, "_aserve_packed_f32", (weight._version, weight.data_ptr(), p))
+    return p
+
+
+def _linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    y = load().linear_f32(x.reshape(-1, x.shape[-1]), packed_f32(weight), weight.shape[0], bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def packed(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
@@ -226,11 +259,13 @@ def packed(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            native: bool = True) -> torch.Tensor:
-    """``F.linear``, through our packed bf16 kernel where it applies (see ``packable``) unless
-    ``native`` is False (the fallback: torch's own)."""
+    """``F.linear``, through our packed bf16 kernel where it applies (see ``packable``), or our
+    fp32 one (``f32_packable``), unless ``native`` is False (the fallback: torch's own)."""
     if native and packable(x, weight):
         y = load().linear_packed(x.reshape(-1, x.shape[-1]), packed(weight), weight.shape[0], bias)
         return y.view(*x.shape[:-1], weight.shape[0])
+    if native and f32_packable(x, weight):
+        return _linear_f32(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -241,6 +276,8 @@ def logits(x: torch.Tensor, weight: torch.Tensor, native: bool = True, widen: bo
     False) the model dtype's. ``widen``: FMAs over the weight widened to fp32 (``wide_rows``)."""
     if native and packable(x, weight):
         return load().linear_packed(x, packed(weight), weight.shape[0], None, True, widen)
+    if native and f32_packable(x, weight):
+        return _linear_f32(x, weight, None)
     return F.linear(x, weight).float()
 
 
@@ -252,7 +289,7 @@ def silu_mul(x: torch.Tensor, gate_up: torch.Tensor, native: bool = True) -> tor
     if native and packable(x, gate_up) and gate_up.shape[0] % 64 == 0:
         y = load().silu_mul_packed(x.reshape(-1, x.shape[-1]), packed(gate_up, gate_up=True))
         return y.view(*x.shape[:-1], gate_up.shape[0] // 2)
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    gate, up = linear(x, gate_up, None, native).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 

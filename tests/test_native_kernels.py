@@ -14,6 +14,7 @@ from model.attention import AttentionMeta, paged_attention
 
 needs_native = pytest.mark.skipif(not native.available(), reason="aserve's C++ kernels do not build here")
 needs_bf16 = pytest.mark.skipif(not native.bf16_linear_available(), reason="no AVX512-BF16 kernels here")
+needs_f32 = pytest.mark.skipif(not native.f32_linear_available(), reason="no AVX2 FMA kernels here")
 DECODE_PATHS = [pytest.param("native", marks=needs_native), "fallback"]
 PRODUCT_PATHS = [pytest.param("native", marks=needs_bf16), "fallback"]
 
@@ -43,8 +44,10 @@ def dense_decode(q, k_cache, v_cache, tables, lens, scale):
 @pytest.mark.parametrize("path", DECODE_PATHS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 # (9, 3, 64) is the default model's layout (bf16: the fast path); (4, 4, 16) and (6, 2, 24) take the
-# general paths; (8, 2, 128) and (16, 2, 64) the fast path's other instantiations
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (6, 2, 24), (8, 2, 128), (16, 2, 64)])
+# general paths (24: AVX-512's scalar one, AVX2's vector one); (3, 1, 12) the scalar path on every
+# CPU; (8, 2, 128) and (16, 2, 64) the fast path's other instantiations
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (6, 2, 24), (3, 1, 12), (8, 2, 128),
+                                                     (16, 2, 64)])
 def test_paged_decode_matches_dense(path, dtype, tol, heads, kv_heads, head_dim):
     g = torch.Generator().manual_seed(heads * head_dim)
     bs, max_blocks = 16, 6
@@ -260,14 +263,60 @@ def test_linear_dispatch_keeps_torch_where_ours_does_not_apply():
     w = torch.randn(40, 63).bfloat16()
     odd = torch.randn(2, 63).bfloat16()
     assert torch.equal(native.linear(odd, w), F.linear(odd, w))  # odd width: no k-pairs
-    w32, x32 = torch.randn(40, 64), torch.randn(2, 64)
-    assert torch.equal(native.linear(x32, w32), F.linear(x32, w32))  # fp32
     with torch.enable_grad():
         wg = torch.randn(40, 64, dtype=torch.bfloat16, requires_grad=True)
         assert not native.packable(torch.randn(2, 64).bfloat16(), wg)
         assert native.linear(torch.randn(2, 64).bfloat16(), wg).requires_grad  # autograd: torch's
     with torch.no_grad():
         assert native.packable(torch.randn(2, 64).bfloat16(), wg)  # nothing to track: ours
+
+
+@needs_f32
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 33])
+@pytest.mark.parametrize("n,k,bias", [(960, 576, False), (100, 64, True), (64, 1536, False), (31, 7, True)])
+def test_fp32_products_match_the_float_reference(threads, rows, n, k, bias):
+    """``linear_f32`` over ``pack_f32x32``'s groups (an fp32 model's products on AVX2 CPUs):
+    the double-precision product within fp32 summation noise, at any row count (blocks of three
+    and the rest), a last group cut short (n not a multiple of 32), odd widths, with and without
+    bias, over k-chunks (k 1,536: twelve of them), at one thread and split over two."""
+    mod = native.load()
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(rows * 1000 + n)
+        w, x = torch.randn(n, k), torch.randn(rows, k)
+        b = torch.randn(n) if bias else None
+        p = mod.pack_f32x32(w)
+        assert p.dtype == torch.float32 and p.shape == (-(-n // 32), k, 32)
+        got = mod.linear_f32(x, p, n, b)
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        assert (got.double() - want).abs().max().item() <= 1e-4 * k ** 0.5
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_f32
+def test_fp32_linear_dispatch():
+    """fp32 products go to ours (``linear``, ``logits``, ``silu_mul``) within fp32 noise of torch's;
+    the fallback (``native=False``) and autograd keep torch's own; a weight changed in place has
+    its packed copy remade."""
+    w, x = torch.randn(128, 64), torch.randn(3, 64)
+    assert native.f32_packable(x, w)
+    assert torch.allclose(native.linear(x, w), F.linear(x, w), atol=1e-5)
+    assert torch.equal(native.linear(x, w, native=False), F.linear(x, w))
+    assert torch.allclose(native.logits(x, w), F.linear(x, w), atol=1e-5)
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    assert torch.allclose(native.silu_mul(x, w), F.silu(gate) * up, atol=1e-5)
+    first = native.linear(x, w)
+    w.mul_(2)
+    assert torch.allclose(native.linear(x, w), 2 * first, atol=1e-5)
+    with torch.enable_grad():
+        wg = torch.randn(40, 64, requires_grad=True)
+        assert not native.f32_packable(x, wg)
+        assert native.linear(x, wg).requires_grad
+    assert not native.f32_packable(x.bfloat16(), w.bfloat16())
 
 
 def test_packed_products_reject_bad_shapes():

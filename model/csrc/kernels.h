@@ -30,6 +30,13 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, st
 void linear_packed_add_(torch::Tensor y, torch::Tensor x, torch::Tensor packed, bool widen = false);
 // silu(x @ gate.T) * (x @ up.T) with the gate_up weight packed kOrderGateUp: [M, I] bf16.
 torch::Tensor silu_mul_packed(torch::Tensor x, torch::Tensor packed, bool widen = false);
+// True where this build has the AVX2 FMA products of fp32 x (linear_f32).
+bool has_f32_linear();
+// w [N, K] fp32 (or bf16) -> groups of 32 outputs, one k a step, [ceil(N / 32), K, 32] fp32.
+torch::Tensor pack_f32x32(torch::Tensor w);
+// x [M, K] fp32 @ w.T (+ bias) with w packed by pack_f32x32; n = w's row count. Returns [M, n] fp32
+// (gemm_f32.cpp: an fp32 model's small-row products on CPUs without AVX512-BF16).
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t n, std::optional<torch::Tensor> bias);
 // Reads every byte of t once (256 bytes a step, asked into L2 ahead as the products do) and
 // returns a sum of them: the memory probe of `aserve bench engine`.
 double read_pass(torch::Tensor t);
@@ -53,6 +60,11 @@ std::vector<torch::Tensor> llama_forward(torch::Tensor x, torch::Tensor cos, tor
                                          torch::Tensor dec_tables, torch::Tensor dec_lens, int64_t num_heads, double eps,
                                          double scale, int64_t tap_layer, torch::Tensor tap_rows, bool widen = false);
 
+// 2^f for f in [-0.5, 0.5]: the degree-7 Taylor polynomial's coefficients, highest first (Horner)
+constexpr float kExp2Poly[8] = {1.525273380405984e-05f, 1.540353039338161e-04f, 1.333355814642844e-03f,
+                                9.618129107628477e-03f, 5.550410866482158e-02f, 2.402265069591007e-01f,
+                                6.931471805599453e-01f, 1.f};
+
 #if defined(__AVX512F__)
 // 16 bf16 values -> 16 fp32 (a bf16 is the top half of an fp32: exact)
 inline __m512 widen16(const c10::BFloat16* p) {
@@ -68,14 +80,9 @@ inline __m512 exp16(__m512 x) {
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.540353039338161e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355814642844e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+#pragma GCC unroll 7
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
   return _mm512_scalef_ps(p, n);
 }
 #endif
