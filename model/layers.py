@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import native
 from model.native import linear
 
 
@@ -20,7 +21,10 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """LLaMA's RMSNorm (float32 accumulation, as the reference)."""
+    """LLaMA's RMSNorm (float32 accumulation, as the reference); an fp32 one on a CPU through our
+    one-call kernel (``model.native.rms_norm``) unless the model uses the fallback."""
+
+    native = True
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -29,6 +33,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
+            if self.native and native.f32_op_applies(x, self.weight):
+                return native.rms_norm(x, self.weight, self.eps)
             # torch's fused CPU kernel accumulates in float32 and matches the reference to one
             # bf16 rounding: one op instead of eight on the decode hot path
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -61,7 +67,10 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] (q and k heads together) -> rotated, same shape."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native_ok: bool = False) -> torch.Tensor:
+    """x: [T, heads, D] (q and k heads together) -> rotated, same shape. ``native_ok``: an fp32 CPU
+    x goes through our one-call kernel (``model.native.rope``)."""
+    if native_ok and native.f32_op_applies(x, cos):
+        return native.rope(x, cos, sin)
     half = x.shape[-1] // 2
     return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin

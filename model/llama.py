@@ -18,6 +18,8 @@ from model import native
 
 
 class LlamaAttention(nn.Module):
+    native = True  # fp32 RoPE through our kernel where it applies (native.use_kernels)
+
     def __init__(self, args: ModelArgs, backend: str):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
@@ -32,7 +34,7 @@ class LlamaAttention(nn.Module):
         # x: [T, hidden]; kv: [2, num_blocks, block_size, H_kv, D] (this layer's slice of the pool)
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), *rope, native_ok=self.native)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, H_kv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         write_kv(kv[0], kv[1], k, v, meta)

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [str(_CSRC / name) for name in
             ("paged_attention.cpp", "paged_decode_bf16.cpp", "paged_prefill_bf16.cpp", "gemm_bf16.cpp",
-             "gemm_f32.cpp", "llama_forward.cpp")]
+             "gemm_f32.cpp", "fp32_ops.cpp", "llama_forward.cpp")]
 _VERSION = "aserve_native_v12"
 _HEADERS = [str(_CSRC / "kernels.h")]
 KERNELS = ("auto", "native", "unfused", "fallback")  # EngineConfig.kernels (see the module doc)
@@ -226,6 +226,24 @@ def f32_packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.dtype is torch.float32 and weight.dtype is torch.float32 and x.device.type == "cpu"
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and f32_linear_available())
+
+
+def f32_op_applies(x: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether ``rms_norm`` / ``rope`` take ``x`` with ``other`` (the norm's weight, RoPE's cos): fp32
+    CPU tensors, nothing for autograd to track, the kernels built."""
+    return (x.dtype is torch.float32 and other.dtype is torch.float32 and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x.requires_grad or other.requires_grad)) and available())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, weight.shape, weight, eps)`` for fp32 x in one call (``rms_norm_f32``)."""
+    return load().rms_norm_f32(x, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``layers.apply_rope`` for fp32 x [T, heads, D] in one call (``rope_f32``): cos and the signed
+    sin [T, 1, D]."""
+    return load().rope_f32(x, cos, sin)
 
 
 def packed_f32(weight: torch.Tensor) -> torch.Tensor:

@@ -96,3 +96,23 @@ def test_lend_is_a_device_share_and_only_cpu_devices_lend():
         ClusterConfig(device_share="borrow")
     assert isinstance(lender_for("lend", "cpu", 2), CoreLender)
     assert lender_for("lend", "cuda", 2) is None and lender_for("shared", "cpu", 2) is None
+
+
+def test_a_lone_row_is_lent_only_where_the_warm_up_measured_it_faster():
+    """``learn``: a one-row step 10% faster on every core than on an instance's share (an fp32
+    model on a Zen 3, bound by one core's memory stream) makes one row enough to borrow an idle
+    core; slower or within 10%, the edge stays at min_rows."""
+    async def main():
+        slower = _pair()
+        slower.learn(own_s=0.020, lent_s=0.023)
+        level = _pair()
+        level.learn(own_s=0.080, lent_s=0.075)
+        faster = _pair()
+        faster.learn(own_s=0.080, lent_s=0.055)
+        for lender, rows_lent in ((slower, 8), (level, 8), (faster, 1)):
+            assert lender.measured is not None and lender.min_rows == rows_lent
+            lender.set_idle("b", True)
+            assert await lender.take("a", 1) == (2 if rows_lent == 1 else 1)
+            lender.give("a")
+        assert faster.snapshot()["min_rows"] == 1
+    asyncio.run(main())

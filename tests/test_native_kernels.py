@@ -319,6 +319,39 @@ def test_fp32_linear_dispatch():
     assert not native.f32_packable(x.bfloat16(), w.bfloat16())
 
 
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 8, 100])
+def test_fp32_norm_and_rope_match_torch(threads, rows):
+    """An fp32 step's RMSNorm and RoPE in one call each give torch's ops' results within fp32 noise
+    (widths with a tail past the 16-lane loop; rows split over threads); the layers take them for
+    fp32 x and keep torch's ops in the fallback."""
+    from model.layers import RMSNorm, RotaryEmbedding, apply_rope
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(rows)
+        for d in (576, 37):
+            x, w = torch.randn(rows, d) * 3, torch.randn(d)
+            want = F.rms_norm(x, (d,), w, 1e-5)
+            assert torch.allclose(native.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-5)
+            norm = RMSNorm(d, 1e-5)
+            norm.weight.data.copy_(w)
+            with torch.no_grad():
+                assert torch.allclose(norm(x), want, rtol=1e-5, atol=1e-5)
+                norm.native = False
+                assert torch.equal(norm(x), want)
+        rope = RotaryEmbedding(64, 4096, 10000.0)
+        x = torch.randn(rows, 12, 64)
+        cos, sin = rope.tables(torch.randint(0, 4096, (rows,)), torch.float32)
+        want = apply_rope(x, cos, sin)
+        assert torch.allclose(native.rope(x, cos, sin), want, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(apply_rope(x, cos, sin, native_ok=True), want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_packed_products_reject_bad_shapes():
     if not native.bf16_linear_available():
         pytest.skip("CPU has no AVX512-BF16")

@@ -10,7 +10,10 @@ Each instance owns ``cores / instances`` torch threads. A step asks the lender f
   decode 1.36x.
 
 So a lone prompt prefills on every core, as in one engine over the whole CPU, and two busy
-instances keep one share each, as before. The lender knows which instances wait for work from
+instances keep one share each, as before. Where a lone decode row is faster on every core too
+(an fp32 model on a Zen 3, whose one-row step reads 540 MB of weights, bound by one core's
+memory stream), the first device's warm-up measures it and ``min_rows`` drops to 1
+(``TorchDevice.warm_up``, ``learn``). The lender knows which instances wait for work from
 their step loops (``Device.set_idle``); a share is never lent while its owner has a step to run.
 """
 from __future__ import annotations
@@ -29,6 +32,14 @@ class CoreLender:
         self.held: dict[str, int] = {}  # device -> threads of its step running now
         self._waiters: list[asyncio.Future] = []
         self.counts = {"steps": 0, "lent_steps": 0, "waits": 0}
+        self.measured: Optional[tuple[float, float]] = None  # a one-row step's seconds: own share, every core
+
+    def learn(self, own_s: float, lent_s: float, gain: float = 1.1) -> None:
+        """A one-row decode step took ``own_s`` at an instance's share and ``lent_s`` on every core:
+        lend from one row where that is ``gain`` faster (measured once, by the first warm-up)."""
+        self.measured = (own_s, lent_s)
+        if own_s >= gain * lent_s:
+            self.min_rows = 1
 
     def join(self, name: str, threads: int) -> None:
         self.own[name] = max(1, threads)
@@ -90,7 +101,8 @@ class CoreLender:
                 waiter.set_result(None)
 
     def snapshot(self) -> dict:
-        return {"cores": self.cores, "held": dict(self.held), "idle": sorted(self.idle), **self.counts}
+        return {"cores": self.cores, "held": dict(self.held), "idle": sorted(self.idle), "min_rows": self.min_rows,
+                **self.counts}
 
 
 def lender_for(share: str, device: str, cores: int) -> Optional[CoreLender]:

@@ -147,7 +147,9 @@ class TorchDevice(Device):
         of work a first request brings): the first request after start is then as fast as the
         tenth (a lone first request took 1,040 ms against 162-175 ms for the next seven, issue 60).
         Where cores are lent, the chunk once more on all of them (the first lent step's set-up: its
-        OpenMP team, the product choice of ``model.native.wide_rows`` at that thread count)."""
+        OpenMP team, the product choice of ``model.native.wide_rows`` at that thread count), and,
+        at the first device's warm-up, the decode step timed at its own threads and on every core
+        (``CoreLender.learn``: whether a lone decode row borrows an idle instance's core)."""
         n = min(32, len(block_ids) * self.block_size - 1)
         ids = tuple(range(100, 100 + n))
         first = StepPlan((SeqStep("warm-up", ids, 0, tuple(block_ids), GREEDY),))
@@ -158,8 +160,20 @@ class TorchDevice(Device):
             await self.lender.take_all(self.name)
             try:
                 await self._execute_on(first, self.lender.cores)
+                if self.lender.measured is None:  # the first warm-up: is a lone row faster lent?
+                    self.lender.learn(await self._fastest(second, self.num_threads),
+                                      await self._fastest(second, self.lender.cores))
             finally:
                 self.lender.give(self.name)
+
+    async def _fastest(self, plan: StepPlan, threads: int, tries: int = 3) -> float:
+        """The fastest of ``tries`` runs of ``plan`` at ``threads`` threads, wall seconds."""
+        best = float("inf")
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            await self._execute_on(plan, threads)
+            best = min(best, time.perf_counter() - t0)
+        return best
 
     def execute_blocking(self, plan: StepPlan) -> StepOutput:
         """The step from a thread of its own (a Ray actor's step channel), waiting for it: on the

@@ -37,6 +37,10 @@ torch::Tensor pack_f32x32(torch::Tensor w);
 // x [M, K] fp32 @ w.T (+ bias) with w packed by pack_f32x32; n = w's row count. Returns [M, n] fp32
 // (gemm_f32.cpp: an fp32 model's small-row products on CPUs without AVX512-BF16).
 torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t n, std::optional<torch::Tensor> bias);
+// RMSNorm of x's rows (fp32, the last dimension w's size) scaled by w: x / sqrt(mean(x^2) + eps) * w.
+torch::Tensor rms_norm_f32(torch::Tensor x, torch::Tensor w, double eps);
+// RoPE of x [T, heads, D] fp32 with cos and the signed sin [T, (1,) D]: x * cos + rotate_half(x) * sin.
+torch::Tensor rope_f32(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 // Reads every byte of t once (256 bytes a step, asked into L2 ahead as the products do) and
 // returns a sum of them: the memory probe of `aserve bench engine`.
 double read_pass(torch::Tensor t);

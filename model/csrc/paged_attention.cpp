@@ -335,6 +335,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_f32x32", &pack_f32x32, "pack an fp32 weight [N, K] for linear_f32", py::arg("w"), no_gil);
   m.def("linear_f32", &linear_f32, "x @ w.T (+ bias), fp32 x, w packed by pack_f32x32 (CPU, AVX2 FMA)", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), no_gil);
+  m.def("rms_norm_f32", &rms_norm_f32, "RMSNorm of fp32 rows, scaled", no_gil);
+  m.def("rope_f32", &rope_f32, "RoPE of fp32 [T, heads, D] (rotate half, signed sin table)", no_gil);
   m.def("has_f32_linear", &has_f32_linear, "whether this build has the AVX2 FMA products of fp32 x");
   m.attr("ORDER_PLAIN") = kOrderPlain;
   m.attr("ORDER_GATE_UP") = kOrderGateUp;
