@@ -2,10 +2,15 @@
 cached under ~/.cache/torch_extensions/aserve), and skipped with a clear reason where no compiler is.
 
 - ``paged_decode``: decode attention that reads K/V blocks in place (``model/csrc/paged_attention.cpp``,
-  with a bf16 fast path in ``paged_decode_bf16.cpp``);
+  with a bf16 fast path in ``paged_decode_bf16.cpp``, 16 lanes at a time with AVX-512, 8 with AVX2);
 - ``linear`` and ``silu_mul``: bf16 matrix products on CPUs with AVX512-BF16 over weights packed
   once, on first use, into the layout of ``model/csrc/gemm_bf16.cpp`` (faster than torch's
   matmul at every batch size measured, 1 to 512 rows, so every bf16 CPU linear goes there);
+- ``linear``, ``logits`` and ``silu_mul`` of an fp32 model (a CPU without AVX512-BF16, where
+  ``dtype auto`` is fp32): products over weights packed once into groups of 32 outputs with AVX2
+  FMAs (``model/csrc/gemm_f32.cpp``, ``f32_packable``), and ``rms_norm`` and ``rope`` in one call
+  each (``model/csrc/fp32_ops.cpp``): on a 2-core Zen 3 torch's fp32 product repacked each
+  weight at every call;
 - ``paged_prefill``: causal attention of prompt chunks over the pool, bf16 (``paged_prefill_bf16.cpp``);
 - ``llama_forward``: a whole step of a bf16 LLaMA model (prompt chunks and decode tokens) in one
   call (``model/csrc/llama_forward.cpp``), so the ~25 small ops per layer are not dispatched one by one.
@@ -16,7 +21,8 @@ cached under ~/.cache/torch_extensions/aserve), and skipped with a clear reason 
 
 The packed copy of a weight lives on the weight tensor itself (an attribute) and is remade when
 the weight changes in place or moves: a bf16 model on the CPU holds its weights twice (the
-default model: 270 MB more), the torch layout for everything else that reads them.
+default model: 270 MB more), an fp32 one too (540 MB more), the torch layout for everything else
+that reads them.
 
 Each call lets the GIL go while it runs: a cluster's instances, its length predictor and its event
 loop are threads of one process, and must not wait for one another's kernels.
