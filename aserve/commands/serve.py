@@ -223,6 +223,8 @@ async def _serve(engine, cluster_cfg, settings, host: str, port: int,
           file=sys.stderr, flush=True)
     await cluster.start(warm_up=True)
     print(f"aserve: kernels {_kernels_line(cluster.bundle.kernels, engine)}", file=sys.stderr, flush=True)
+    if cluster.core_share.lender is not None:
+        print(f"aserve: {cluster.core_share.lender.describe()}", file=sys.stderr, flush=True)
     if engine.device.startswith("cuda"):  # each instance's share of the card, and its graphs
         for line in cluster.device_lines():
             print(f"aserve: {line}", file=sys.stderr, flush=True)

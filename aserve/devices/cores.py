@@ -100,6 +100,16 @@ class CoreLender:
             if not waiter.done():
                 waiter.set_result(None)
 
+    def describe(self) -> str:
+        """The start-up line: from how many rows a step borrows an idle instance's cores, and the
+        warm-up's measurement behind it when there is one."""
+        text = f"an idle instance's cores go to another's steps of {self.min_rows}+ rows"
+        if self.measured is not None:
+            own, lent = self.measured
+            text += (f" (a lone decode row: {own * 1e3:.1f} ms on its own share, {lent * 1e3:.1f} ms on all "
+                     f"{self.cores} cores)")
+        return text
+
     def snapshot(self) -> dict:
         return {"cores": self.cores, "held": dict(self.held), "idle": sorted(self.idle), "min_rows": self.min_rows,
                 **self.counts}
