@@ -229,9 +229,7 @@ def f32_packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     without AVX512-BF16 (``loader.pick_dtype``), where torch's product packed the weight at every
     call: the default model's decode step took 60 ms of products at 1 row and 173 at 8 rows on a
     2-core Zen 3 (docs/notes/peer.md, "Issue 60, tenth session")."""
-    return (x.dtype is torch.float32 and weight.dtype is torch.float32 and x.device.type == "cpu"
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and f32_linear_available())
+    return f32_op_applies(x, weight) and f32_linear_available()
 
 
 def f32_op_applies(x: torch.Tensor, other: torch.Tensor) -> bool:
@@ -255,12 +253,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def packed_f32(weight: torch.Tensor) -> torch.Tensor:
     """The ``linear_f32`` copy of an fp32 ``weight`` [N, K] (``pack_f32x32``), made on first use
     and remade if the weight changed since (as ``packed``)."""
-    cached = getattr(weight, "_aserve_packed_f32", None)
-    if cached is not None and cached[0] == weight._version and cached[1] == weight.data_ptr():
-        return cached[2]
-    p = load().pack_f32x32(weight.detach())
-    setattr(weight, "_aserve_packed_f32", (weight._version, weight.data_ptr(), p))
-    return p
+    return _cached_pack(weight, "_aserve_packed_f32", lambda w: load().pack_f32x32(w))
 
 
 def _linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -271,12 +264,18 @@ def _linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 def packed(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
     """The packed copy of a bf16 ``weight`` [N, K] (``gate_up``: a fused [gate; up] weight in the
     order ``silu_mul`` reads), made on first use and remade if the weight changed since."""
-    key = "_aserve_packed_gate_up" if gate_up else "_aserve_packed"
+    mod = load()
+    return _cached_pack(weight, "_aserve_packed_gate_up" if gate_up else "_aserve_packed",
+                        lambda w: mod.pack_bf16(w, mod.ORDER_GATE_UP if gate_up else mod.ORDER_PLAIN))
+
+
+def _cached_pack(weight: torch.Tensor, key: str, make) -> torch.Tensor:
+    """``make(weight)``, kept on the weight under ``key`` with its version and data pointer, and
+    remade when either changed since (an in-place change, a move)."""
     cached = getattr(weight, key, None)  # (version, data pointer, packed tensor)
     if cached is not None and cached[0] == weight._version and cached[1] == weight.data_ptr():
         return cached[2]
-    mod = load()
-    p = mod.pack_bf16(weight.detach(), mod.ORDER_GATE_UP if gate_up else mod.ORDER_PLAIN)
+    p = make(weight.detach())
     setattr(weight, key, (weight._version, weight.data_ptr(), p))
     return p
 
