@@ -15,15 +15,12 @@
 #
 # Not in CI: about 20 minutes on this 2-core machine once the venvs exist (an hour with the
 # installs), and it needs the whole machine (run it with nothing else running). Servers:
-#   aserve          `make serve` (the default configuration: --mode coupled --instances 1 --batching sarathi,
-#                   one instance over both cores, steps sized at their decodes' contexts
+#   aserve          `make serve` (the default configuration: --mode coupled --instances 2 --batching sarathi,
+#                   an idle instance's core lent to the other's steps, steps sized at their decodes' contexts
 #                   within the SLO's TPOT, a step with no decodes within its token gap)
 #   aserve-disagg   --mode disagg --prefill 1 --decode 1 (TetriInfer's split; serve's default until issue 28)
 #   aserve-adaptive --mode adaptive (1P+1D to start; each instance also prefills, issue 24)
-#   aserve-two      make serve with --instances 2 (one core an instance, an idle one's core lent to the other's
-#                   steps: serve's default until 2026-12-02)
-#   aserve-shared   make serve with --instances 2 --device-share shared (one core an instance always: serve before
-#                   issue 60)
+#   aserve-shared   make serve with --device-share shared (one core an instance always: serve before issue 60)
 #   aserve-b256     make serve with --max-num-batched-tokens 256 (instead of the budget the SLO sizes)
 #   aserve-fixed    make serve with --step-budget fixed (every step within that budget: serve before sized steps)
 #   aserve-gap      make serve with --step-limit gap (every step sized to the SLO's token gap: serve's default
@@ -83,8 +80,7 @@ start_server() {  # $1: server name; echoes the pid
     aserve)          cd "$ROOT" && exec "${aserve[@]}" ;;
     aserve-disagg)   cd "$ROOT" && exec "${aserve[@]}" --mode disagg --prefill 1 --decode 1 ;;
     aserve-adaptive) cd "$ROOT" && exec "${aserve[@]}" --mode adaptive ;;
-    aserve-two)      cd "$ROOT" && exec "${aserve[@]}" --instances 2 ;;
-    aserve-shared)   cd "$ROOT" && exec "${aserve[@]}" --instances 2 --device-share shared ;;
+    aserve-shared)   cd "$ROOT" && exec "${aserve[@]}" --device-share shared ;;
     aserve-b256)     cd "$ROOT" && exec "${aserve[@]}" --max-num-batched-tokens 256 ;;
     aserve-fixed)    cd "$ROOT" && exec "${aserve[@]}" --step-budget fixed ;;
     aserve-gap)      cd "$ROOT" && exec "${aserve[@]}" --step-limit gap ;;

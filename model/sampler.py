@@ -13,7 +13,6 @@ the step.
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -39,64 +38,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], generator: torch.Gener
     if greedy_rows:  # an argmax over the vocabulary is ~0.1 ms a row: only the rows that want it
         picked = logits if len(greedy_rows) == len(specs) else logits[greedy_rows]
         greedy = dict(zip(greedy_rows, picked.argmax(dim=-1).tolist()))
-    drawn = _draw_plain_rows(logits, specs, generator)
-    return [greedy[i] if i in greedy else drawn[i] if i in drawn else _sample_row(logits[i], spec, generator)
-            for i, spec in enumerate(specs)]
-
-
-def _plain(spec: SampleSpec, vocab: int) -> bool:
-    """A row drawn from its whole tempered distribution off the shared generator."""
-    return spec.temperature > 0 and spec.seed is None and spec.top_p >= 1.0 and not 0 < spec.top_k < vocab
-
-
-def _draw_plain_rows(logits: torch.Tensor, specs: list[SampleSpec], generator: torch.Generator | None) -> dict:
-    """The plain rows (``_plain``) drawn together, {row: token}, where every row that draws from
-    ``generator`` is plain (else none: the shared generator's draws stay in row order either way).
-    The same tokens as ``_sample_row`` one row at a time: the same softmax, float64 running sums
-    and uniform draws in row order, in one op each over up to ``_CHUNK`` rows at once, into
-    buffers kept by the thread (``_scratch``). One row at a time took 2.4 ms of a 32-row decode
-    step on two threads (Zen 5), about a tenth of it; fresh [32, vocab] tensors each step took
-    longer still (13 ms: the allocator maps and faults in their pages every time)."""
-    vocab = logits.shape[-1]
-    rows = [i for i, spec in enumerate(specs) if spec.temperature > 0]
-    if len(rows) < 2 or not all(_plain(specs[i], vocab) for i in rows if specs[i].seed is None):
-        return {}
-    rows = [i for i in rows if _plain(specs[i], vocab)]
-    if len(rows) < 2:
-        return {}
-    out = {}
-    probs_buf, cum_buf = _scratch(vocab, logits.device)
-    for first in range(0, len(rows), _CHUNK):
-        part = rows[first:first + _CHUNK]
-        n = len(part)
-        probs, cum = probs_buf[:n], cum_buf[:n]
-        torch.index_select(logits, 0, torch.tensor(part, device=logits.device), out=probs)
-        probs.div_(torch.tensor([specs[i].temperature for i in part], dtype=probs.dtype, device=probs.device)[:, None])
-        torch.softmax(probs, -1, out=probs)
-        cum.copy_(probs)
-        torch.cumsum(cum, -1, out=cum)
-        u = torch.rand(n, generator=generator, dtype=torch.float64, device=logits.device) * cum[:, -1]
-        picked = torch.searchsorted(cum, u[:, None], right=True).squeeze(1).tolist()
-        for j, (i, index) in enumerate(zip(part, picked)):
-            if index >= vocab:  # u rounded up to the total: the last token that can be drawn (as _draw)
-                index = int(torch.nonzero(probs[j] > 0)[-1].item())
-            out[i] = index
-    return out
-
-
-_CHUNK = 32  # rows drawn at once: buffers of 32 x vocab (6 + 12 MB for a 49,152-token vocabulary)
-_local = threading.local()
-
-
-def _scratch(vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """This thread's [_CHUNK, vocab] float32 and float64 buffers for ``_draw_plain_rows``."""
-    key = (vocab, str(device))
-    kept = getattr(_local, "buffers", None)
-    if kept is None or kept[0] != key:
-        kept = (key, torch.empty(_CHUNK, vocab, device=device),
-                torch.empty(_CHUNK, vocab, dtype=torch.float64, device=device))
-        _local.buffers = kept
-    return kept[1], kept[2]
+    return [greedy[i] if i in greedy else _sample_row(logits[i], spec, generator) for i, spec in enumerate(specs)]
 
 
 def _sample_row(row: torch.Tensor, spec: SampleSpec, generator: torch.Generator | None) -> int:

@@ -4,7 +4,6 @@ a prefill step that raises, a KV transfer that fails — while 20 requests strea
 2 prefill + 2 decode instances. Every request must finish with the output of a fault-free run,
 none may hang, and the surviving instances must get every block back."""
 import asyncio
-import threading
 
 import pytest
 import torch
@@ -240,35 +239,3 @@ def test_lent_cores_serve_a_lone_prompt_and_change_no_token(default_bundle_fp32)
     together, counts = asyncio.run(main("lend", together=True))
     assert len(together) == 2 and all(len(t) == 8 for t in together)
     assert counts["lent_steps"] <= 2  # at most before the second prompt's instance woke
-
-
-def test_lent_steps_run_on_the_one_wide_thread_and_own_steps_at_their_share(default_bundle_fp32, monkeypatch):
-    """One OpenMP team a process (aserve/devices/torch_device.py): a step that borrows the idle
-    instance's core runs on the process's wide thread at both threads, every other step on its
-    instance's own thread at that instance's one, and each thread keeps its count (no thread
-    flips between team sizes)."""
-    from aserve.devices.runner import ModelRunner
-
-    seen = []
-    execute = ModelRunner.execute
-
-    def recorded(self, step):
-        seen.append((threading.current_thread().name, torch.get_num_threads()))
-        return execute(self, step)
-
-    monkeypatch.setattr(ModelRunner, "execute", recorded)
-    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-
-    async def main():
-        eng = EngineConfig(dtype="fp32", kv_cache_gb=0.25, num_threads=2, max_num_batched_tokens=64)
-        async with Cluster(eng, ClusterConfig(mode="coupled", num_coupled=2, device_share="lend"),
-                           bundle=default_bundle_fp32) as cl:
-            await cl.generate(list(range(200, 456)), greedy)
-            return dict(cl.core_share.lender.counts)
-
-    counts = asyncio.run(main())
-    wide = [n for name, n in seen if name.startswith("aserve-wide")]
-    own = [(name, n) for name, n in seen if not name.startswith("aserve-wide")]
-    assert counts["lent_steps"] >= 4 and len(wide) >= counts["lent_steps"]  # the warm-ups' lent steps too
-    assert set(wide) == {2}
-    assert own and all(name.startswith("aserve-c") and n == 1 for name, n in own)

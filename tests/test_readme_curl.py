@@ -49,12 +49,12 @@ def test_readme_has_the_examples():
     cmds = curl_commands()
     assert len(cmds) >= 5
     assert any("/v1/chat/completions" in c for c in cmds) and any('"stream": true' in c for c in cmds)
-    assert "`--mode coupled --instances 1 --batching sarathi`" in README.read_text()  # what it says make serve runs
+    assert "`--mode coupled --instances 2 --batching sarathi`" in README.read_text()  # what it says make serve runs
 
 
 def test_readme_curl_examples_run_as_written(monkeypatch):
     a = readme_serve_args(monkeypatch)
-    assert (a.mode, a.instances, a.batching) == ("coupled", 1, "sarathi"), "the README's default changed"
+    assert (a.mode, a.instances, a.batching) == ("coupled", 2, "sarathi"), "the README's default changed"
     settings = server_settings(a)
     assert settings.admin_key is not None
     cfg = ClusterConfig(mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, num_coupled=a.instances)
@@ -79,7 +79,7 @@ def test_readme_curl_examples_run_as_written(monkeypatch):
         count = float(outputs["metrics"].split()[-1])
         assert count >= 2  # the chat and the completion above
         instances = json.loads(outputs["admin/instances"])["data"]
-        assert [i["role"] for i in instances] == ["coupled"]
+        assert [i["role"] for i in instances] == ["coupled", "coupled"]
         # without the README's admin key, the same route is refused
         bare = subprocess.run(["curl", "-s", f"127.0.0.1:{server.port}/admin/instances"], capture_output=True,
                               text=True, timeout=60)

@@ -165,23 +165,3 @@ def test_a_seeded_row_draws_what_multinomial_drew():
         probs = (row / 0.8).softmax(-1)
         expected = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(_mix(99, step))).item())
         assert sample(row[None], [spec]) == [expected]
-
-
-@pytest.mark.parametrize("rows", [2, 33, 70])
-def test_rows_drawn_together_are_the_rows_drawn_one_at_a_time(rows):
-    """A batch of plain rows (temperature only, unseeded) is drawn in one op a chunk of rows
-    (model/sampler.py, ``_draw_plain_rows``): the tokens are those one row at a time gives from
-    the same generator, across chunks and temperatures; a batch with a top-p row among them draws
-    row by row in order, the same as before."""
-    from model.sampler import _sample_row
-
-    logits = torch.randn(rows, 49152, generator=torch.Generator().manual_seed(rows)) * 4
-    for specs in ([SampleSpec(temperature=0.5 + (i % 3) * 0.4) for i in range(rows)],
-                  [SampleSpec(temperature=1.0, top_p=0.9 if i == 1 else 1.0) for i in range(rows)],
-                  [SampleSpec(temperature=0.0 if i % 2 else 1.0, seed=7 if i % 5 == 0 else None, step=i)
-                   for i in range(rows)]):
-        together = sample(logits, specs, torch.Generator().manual_seed(3))
-        gen = torch.Generator().manual_seed(3)
-        alone = [int(logits[i].argmax()) if s.temperature == 0 else _sample_row(logits[i], s, gen)
-                 for i, s in enumerate(specs)]
-        assert together == alone

@@ -389,12 +389,3 @@ def sampling_from(a: argparse.Namespace):
 
     return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                           seed=a.seed if a.temperature > 0 else None, stop=tuple(a.stop), ignore_eos=a.ignore_eos)
-
-
-def keep_one_team(device: str) -> None:
-    """On the CPU, before anything loads: this thread and the ones made after it at one torch
-    thread, so the only OpenMP teams are the devices' (aserve/devices/torch_device.py's module doc:
-    a second team made a two-thread step twice as slow)."""
-    if device == "cpu":
-        from aserve.devices.torch_device import single_threaded_elsewhere
-        single_threaded_elsewhere()

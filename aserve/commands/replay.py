@@ -24,8 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from aserve.commands.common import (add_cluster_args, add_engine_args, bundle_engine, engine_and_cluster,
-                                    keep_one_team)
+from aserve.commands.common import add_cluster_args, add_engine_args, bundle_engine, engine_and_cluster
 from aserve.commands.slo_args import add_slo_args, slo_from_args
 from aserve.event_loop import run as run_loop
 
@@ -260,7 +259,6 @@ def _check_flags(a: argparse.Namespace) -> None:
 def cmd_replay(a: argparse.Namespace) -> int:
     """Fit the trace, build prompts, replay every system, print the table, write JSON and plots."""
     _check_flags(a)
-    keep_one_team(a.device)
     from aserve.replay.driver import ReplayProgress
     from aserve.replay.report import build_report, print_report, write_json
     from aserve.replay.traces import load_trace

@@ -7,14 +7,11 @@
 MODEL is positional as ``vllm serve MODEL`` takes it; ``--model MODEL`` (the engine flag every
 command shares) is the same thing and keeps working; both given and different is an error.
 
-``serve`` defaults to ``SERVE_MODE`` with ``SERVE_INSTANCES``: one coupled Sarathi instance over
-every core. In the peer table (docs/notes/peer.md, issue 28), under guidellm at 1, 8 and 32
-streams, coupled had the highest output tokens/s of aserve's configurations at 32 streams, while
-1 prefill + 1 decode fell behind (one prefill core cannot keep up with 32 streams' prompts). Two
-coupled instances of one core each were the default until 2026-12-02; one instance on both cores
-reads the weights once for every row of a step instead of once an instance, and with one OpenMP
-team a process its two-thread steps run at their speed (docs/notes/peer.md, "Issue 60, eleventh
-session"). ``replay`` keeps disagg as its default: the paper's system is what a replay measures.
+``serve`` defaults to ``SERVE_MODE`` (two coupled Sarathi instances, one a core here): in the peer
+table (docs/notes/peer.md, issue 28), under guidellm at 1, 8 and 32 streams, it had the highest
+output tokens/s of aserve's configurations at 32 streams and tied them at 1 and 8, while 1 prefill
++ 1 decode fell behind at 32 streams (one prefill core cannot keep up with 32 streams' prompts).
+``replay`` keeps disagg as its default: the paper's system is what a replay measures.
 """
 from __future__ import annotations
 
@@ -25,12 +22,11 @@ import sys
 import threading
 from typing import Optional
 
-from aserve.commands.common import add_cluster_args, add_engine_args, engine_and_cluster, keep_one_team, parse_options
+from aserve.commands.common import add_cluster_args, add_engine_args, engine_and_cluster, parse_options
 from aserve.commands.serve_predictor import serve_predictor
 from aserve.event_loop import run as run_loop
 
 SERVE_MODE = "coupled"  # the peer table's winner on this machine (see the module docstring)
-SERVE_INSTANCES = 1  # coupled instances: one over every core (see the module docstring)
 
 # After SIGINT/SIGTERM the process is gone within --shutdown-timeout + EXIT_MARGIN_S on any machine:
 # the drain's own waits are bounded (aserve/api/server.py), the cluster waits STOP_WAIT_S at most
@@ -87,7 +83,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     # prefills on every core (TTFT at one stream 746 against 450 ms, docs/notes/peer.md, issue 60)
     # Steps sized at their decodes' contexts: a budget sized for 32 decodes at 8,192 tokens of context
     # holds 48 prompt rows; at a chat's few hundred, a step has room for hundreds (issue 60)
-    p.set_defaults(func=cmd_serve, predictor=None, device_share="lend", sized_steps=True, instances=SERVE_INSTANCES)
+    p.set_defaults(func=cmd_serve, predictor=None, device_share="lend", sized_steps=True)
     return p
 
 
@@ -199,7 +195,6 @@ def startup_notes(settings, host: str) -> list[str]:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    keep_one_team(a.device)
     serve_model(a)
     a.predictor, why = serve_predictor(a, parse_options(a.predictor_option, "predictor-option"))
     slo = serve_slo(a)

@@ -6,16 +6,7 @@
                             (CPU seconds x CoreShare.slowdown), waited out on the loop
 
 KV hand-overs copy on a second thread of the device (its copy engine), so neither the event
-loop nor a running step waits for them.
-
-One OpenMP team of workers a process (``wide_executor``): each thread that runs torch's parallel
-ops at more than one thread keeps a team of its own, and where the teams' threads outnumber the
-cores libgomp stops spin-waiting at every barrier in every team. A decode step of 8 rows on two
-threads took 19.6 ms so (a second team left by the thread that loaded the model) against 10.0 ms
-with one team, and a lent one-row step 13.1 ms against 9.5 on one thread (Zen 5, 2 cores). So a
-device's own thread runs at its share, a step that borrows cores runs on the process's one wide
-thread, and a process that builds CPU devices keeps one torch thread elsewhere
-(``single_threaded_elsewhere``). Several devices of one process share one
+loop nor a running step waits for them. Several devices of one process share one
 ``ModelBundle`` (same weights); each has its own pool.
 
 ``inline=True`` (the offline ``LLM``, whose loop serves nobody else) steps on the loop's own
@@ -56,30 +47,6 @@ def _init_thread(num_threads: int, device: str) -> None:
             dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
         torch.cuda.set_stream(torch.cuda.Stream(dev))
-
-
-_WIDE: Optional[ThreadPoolExecutor] = None  # the process's one multi-threaded step thread (lent steps)
-_WIDE_THREADS = 0
-
-
-def single_threaded_elsewhere() -> None:
-    """One torch thread on the calling thread and, as their default, on the threads made after
-    it (torch reads a new thread's count from the last ``set_num_threads``): only a step's own
-    thread (``_init_thread``) and the wide thread set more, so no other thread leaves an OpenMP
-    team of its own (module doc). Called before a CPU cluster loads its model."""
-    torch.set_num_threads(1)
-
-
-def wide_executor(threads: int) -> ThreadPoolExecutor:
-    """The process's one thread for steps on more cores than a device's share (a lent step, a
-    warm-up on every core), at ``threads`` torch threads: the only OpenMP team of that size."""
-    global _WIDE, _WIDE_THREADS
-    if _WIDE is None or _WIDE_THREADS != threads:
-        if _WIDE is not None:
-            _WIDE.shutdown(wait=False)
-        _WIDE, _WIDE_THREADS = ThreadPoolExecutor(1, thread_name_prefix="aserve-wide", initializer=_init_thread,
-                                                  initargs=(threads, "cpu")), threads
-    return _WIDE
 
 
 def pool_num_blocks(args: ModelArgs, dtype: torch.dtype, cfg: EngineConfig) -> int:
@@ -160,16 +127,13 @@ class TorchDevice(Device):
             self.lender.set_idle(self.name, idle)
 
     async def _execute_on(self, plan: StepPlan, threads: Optional[int]) -> StepOutput:
-        """The step on the executor thread at its share, or on the wide thread where ``threads``
-        (None: the share) is more (module doc)."""
+        """The step on the executor thread, at ``threads`` torch threads (None: as it is)."""
         t0 = time.perf_counter()
         if self.executor is None:
             out, cpu_s = self._timed_execute(plan)
-        elif threads is not None and threads > self.num_threads:
-            out, cpu_s = await asyncio.get_running_loop().run_in_executor(wide_executor(threads), self._timed_execute,
-                                                                          plan)
         else:
-            out, cpu_s = await asyncio.get_running_loop().run_in_executor(self.executor, self._timed_execute, plan)
+            out, cpu_s = await asyncio.get_running_loop().run_in_executor(self.executor, self._timed_execute, plan,
+                                                                          threads)
         busy_s = time.perf_counter() - t0
         self.cpu_s += cpu_s
         device_s = cpu_s * self.share.slowdown() if self.cfg.device == "cpu" else 0.0
@@ -221,9 +185,11 @@ class TorchDevice(Device):
         self.cpu_s += cpu_s
         return dataclasses.replace(out, busy_s=time.perf_counter() - t0)
 
-    def _timed_execute(self, plan: StepPlan) -> tuple[StepOutput, float]:
-        """The step, and the CPU seconds this (executor) thread spent on it (not its OpenMP
-        workers')."""
+    def _timed_execute(self, plan: StepPlan, threads: Optional[int] = None) -> tuple[StepOutput, float]:
+        """The step (at ``threads`` torch threads, if given), and the CPU seconds this (executor)
+        thread spent on it (not its OpenMP workers')."""
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)  # this thread's OpenMP team only
         c0 = time.thread_time()
         out = self.runner.execute(plan)
         return out, time.thread_time() - c0

@@ -299,26 +299,6 @@ def load_or_measure(cfg, threads: int, quiet: bool = False) -> CostModel:
     return cost
 
 
-def on_a_thread_of_its_own(fn):
-    """``fn()`` on a thread that ends with it: the OpenMP team its torch threads make goes with
-    it, so a server that profiles at start keeps one team a process (aserve/devices/torch_device.py)."""
-    result: list = []
-
-    def run() -> None:
-        try:
-            result.append((True, fn()))
-        except BaseException as e:  # re-raised on the caller's thread
-            result.append((False, e))
-
-    thread = threading.Thread(target=run, name="aserve-profile")
-    thread.start()
-    thread.join()
-    ok, value = result[0]
-    if not ok:
-        raise value
-    return value
-
-
 def measure_and_save(cfg, threads: int, reps: int = 3, out: Optional[str] = None, quiet: bool = False,
                      why: str = "", allow_busy: bool = False, on_need: bool = False) -> CostModel:
     """Measure (progress on stderr), save in the cache (and to ``out``), print the fit and its
@@ -353,10 +333,9 @@ def measure_and_save(cfg, threads: int, reps: int = 3, out: Optional[str] = None
             bar.update(task, description=f"profiling: {label}", advance=1)
 
         attention = pick_backend(cfg.attention, cfg.device, bundle.kernels != "fallback", cfg.block_size, bundle.dtype)
-        cost = on_a_thread_of_its_own(lambda: measure(
-            bundle.model, bundle.dtype, cfg.device, threads, reps, tick,
-            meta={"model": cfg.model, "device": cfg.device, "attention": attention,
-                  "kernels": bundle.kernels, "dtype": str(bundle.dtype).removeprefix("torch.")}))
+        cost = measure(bundle.model, bundle.dtype, cfg.device, threads, reps, tick,
+                       meta={"model": cfg.model, "device": cfg.device, "attention": attention,
+                             "kernels": bundle.kernels, "dtype": str(bundle.dtype).removeprefix("torch.")})
     seen = cost.meta["rest"]
     verdict = rest.verdict(before, seen["others_cores_during"], seen["probe_first_s"], seen["probe_last_s"], allow_busy)
     cost = replace(cost, meta={**cost.meta, "rest": verdict})
