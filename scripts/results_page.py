@@ -243,7 +243,7 @@ def render_peer(d: dict, plot: Callable):
     head = (f"`{ours}` is what `make serve` runs: {d['servers'][ours].split(': ', 1)[-1]}; `{peer}` is "
             f"{d['servers'][peer].split(' (')[0]}. ")
     readings = [_peer_reading(s["runs"], col, ours, peer, s["workload"]) for s in shapes.values()]
-    return t, plot(draw), head + " ".join(readings)
+    return t, plot(draw), head + " ".join(readings) + "".join(f" Caveat: {c}" for c in d.get("caveats", []))
 
 
 def _peer_reading(runs: dict, col: dict, ours: str, peer: str, workload: str) -> str:
