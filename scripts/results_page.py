@@ -79,6 +79,11 @@ def _plot(name: str, draw: Callable, out: Path = PLOTS) -> str:
     return f"![{name}](plots/results/{name}.png)"
 
 
+def caveats(d: dict) -> str:
+    """A section's ``caveats``, each as a sentence that follows its reading."""
+    return "".join(f" Caveat: {c}" for c in d.get("caveats", []))
+
+
 def raw(x) -> str:
     """A transcribed figure as its file holds it (every digit the notebook gave), thousands separated."""
     return "n/a" if x is None else x if isinstance(x, str) else f"{x:,}"
@@ -243,7 +248,7 @@ def render_peer(d: dict, plot: Callable):
     head = (f"`{ours}` is what `make serve` runs: {d['servers'][ours].split(': ', 1)[-1]}; `{peer}` is "
             f"{d['servers'][peer].split(' (')[0]}. ")
     readings = [_peer_reading(s["runs"], col, ours, peer, s["workload"]) for s in shapes.values()]
-    return t, plot(draw), head + " ".join(readings) + "".join(f" Caveat: {c}" for c in d.get("caveats", []))
+    return t, plot(draw), head + " ".join(readings) + caveats(d)
 
 
 def _peer_reading(runs: dict, col: dict, ours: str, peer: str, workload: str) -> str:
@@ -417,7 +422,7 @@ def render_simulator(d: dict, plot: Callable):
                 "read off the compared run itself brought that to " + ", ".join(
                     f"{v['over']} of {v['of']}" for v in fitted if "over" in v) + ", which says the schedules are "
                 "right once a run's speed is known, not that the simulator predicts one.")
-    reading += "".join(f" Caveat: {c}" for c in d.get("caveats", []))
+    reading += caveats(d)
     return t, plot(draw), reading
 
 
@@ -640,7 +645,7 @@ def render_goodput(d: dict, plot: Callable):
     reading += (" What limits the best system of a cell: " + "; ".join(
         f"{c}: " + ", ".join(f"{lim} {len(ws)}" for lim, ws in sorted(limits[c].items(), key=lambda kv: -len(kv[1])))
         for c in corners if c in limits) + ".")
-    reading += "".join(f" Caveat: {c}" for c in d.get("caveats", []))
+    reading += caveats(d)
     return t, plot(draw), reading
 
 
@@ -746,7 +751,7 @@ def render_prefix_cache(d: dict, plot: Callable):
                                                                for n, v in lost.items())
                   + (f". Caching with least-loaded placement lost nowhere: {', '.join(alone_ok)}" if alone_ok else ""))
                + " (checks: mean TTFT and attainment at the replay's rate" + (", goodput" if pres["goodput"] else "")
-               + ")." + "".join(f" Caveat: {c}" for c in d.get("caveats", [])))
+               + ")." + caveats(d))
     return t, plot(draw), reading
 
 
